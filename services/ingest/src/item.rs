@@ -1,0 +1,447 @@
+//! One feed item: validation with stable reasons, and its mapping to a PATCH
+//! command. Pure: no I/O, no clock.
+//!
+//! Only the fields the partner owns are looked at; the others are ignored even
+//! when present or malformed. Business rules (negative stock, price 0) are not
+//! ingest's business: such items land and the validator service decides.
+
+use prost::Message;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, product_field};
+
+/// Longest product id accepted, in bytes.
+pub const MAX_ID_BYTES: usize = 256;
+/// Most images one item may carry.
+pub const MAX_IMAGES: usize = 64;
+/// Longest string field (title, description, one image URL), in bytes.
+pub const MAX_STRING_BYTES: usize = 64 * 1024;
+/// Raw input kept in a rejection.
+pub const MAX_RAW_BYTES: usize = 1024;
+
+/// Why an item was rejected. The strings are stable: they are counted in
+/// reports and published in `Rejection.reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Reason {
+    MissingId,
+    TooLarge,
+    WrongType,
+    OutOfRange,
+    InvalidValue,
+    NotAnObject,
+    MissingPlace,
+    DuplicateId,
+    BrandMismatch,
+    /// Not valid JSON (an NDJSON line; in the nested format this is fatal).
+    Malformed,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::MissingId => "missing_id",
+            Reason::TooLarge => "too_large",
+            Reason::WrongType => "wrong_type",
+            Reason::OutOfRange => "out_of_range",
+            Reason::InvalidValue => "invalid_value",
+            Reason::NotAnObject => "not_an_object",
+            Reason::MissingPlace => "missing_place",
+            Reason::DuplicateId => "duplicate_id",
+            Reason::BrandMismatch => "brand_mismatch",
+            Reason::Malformed => "malformed",
+        }
+    }
+}
+
+/// A rejected item, with what is known of its key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reject {
+    pub reason: Reason,
+    pub detail: String,
+    pub place_id: Option<i64>,
+    pub id: Option<String>,
+    /// The raw item, truncated to [`MAX_RAW_BYTES`].
+    pub raw: Vec<u8>,
+}
+
+impl Reject {
+    pub fn new(reason: Reason, detail: impl Into<String>, raw: &[u8]) -> Self {
+        let raw = raw[..raw.len().min(MAX_RAW_BYTES)].to_vec();
+        Reject { reason, detail: detail.into(), place_id: None, id: None, raw }
+    }
+}
+
+/// The Product fields a partner owns, as a bit set over field numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OwnedFields(u16);
+
+impl OwnedFields {
+    /// Unknown names are ignored (settings validation refuses them earlier).
+    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Self {
+        let bits = names.iter().filter_map(|n| product_field::by_name(n.as_ref()));
+        OwnedFields(bits.fold(0, |acc, f| acc | 1 << f))
+    }
+
+    pub fn all() -> Self {
+        Self::from_names(&product_field::NAMES)
+    }
+
+    pub fn contains(self, field: u32) -> bool {
+        self.0 & (1 << field) != 0
+    }
+}
+
+/// A valid item: its key and the owned fields it carries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    pub place_id: i64,
+    pub id: String,
+    /// Only owned fields, only those present (a `null` is absent).
+    pub product: Product,
+    /// Owned fields the item does not carry, in field-number order.
+    pub missing: Vec<u32>,
+}
+
+/// What an item is checked against.
+#[derive(Debug, Clone, Copy)]
+pub struct ItemRules {
+    pub brand_id: i64,
+    pub owned: OwnedFields,
+    pub max_item_bytes: usize,
+}
+
+/// Every key the item parser looks at, borrowed unparsed from the raw item so
+/// that non-owned fields cost nothing and each owned one gets its own reason.
+#[derive(Deserialize)]
+struct RawFields<'a> {
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    brand_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    place_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    title: Option<&'a RawValue>,
+    #[serde(borrow)]
+    category: Option<&'a RawValue>,
+    #[serde(borrow)]
+    price: Option<&'a RawValue>,
+    #[serde(borrow)]
+    old_price: Option<&'a RawValue>,
+    #[serde(borrow)]
+    currency: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stock: Option<&'a RawValue>,
+    #[serde(borrow)]
+    images: Option<&'a RawValue>,
+    #[serde(borrow)]
+    description: Option<&'a RawValue>,
+}
+
+type Invalid = (Reason, String);
+
+/// Validates one raw item. `place_id` is the enclosing place (nested format);
+/// `None` means the item carries its own `place_id` and `brand_id` (NDJSON).
+pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result<Item, Reject> {
+    let reject = |(reason, detail): Invalid| Reject::new(reason, detail, raw.as_bytes());
+    if raw.len() > rules.max_item_bytes {
+        let detail = format!("item is {} bytes, the limit is {}", raw.len(), rules.max_item_bytes);
+        return Err(reject((Reason::TooLarge, detail)));
+    }
+    if !raw.trim_start().starts_with('{') {
+        let detail = format!("an item must be a JSON object, got {}", kind_of(raw));
+        return Err(reject((Reason::NotAnObject, detail)));
+    }
+    let fields: RawFields = serde_json::from_str(raw)
+        .map_err(|e| reject((Reason::Malformed, format!("item is not valid JSON: {e}"))))?;
+
+    let id = match fields.id.map(|v| serde_json::from_str::<String>(v.get())) {
+        Some(Ok(id)) if !id.is_empty() => id,
+        Some(Ok(_)) => return Err(reject((Reason::MissingId, "`id` is empty".into()))),
+        None => return Err(reject((Reason::MissingId, "no `id`".into()))),
+        Some(Err(_)) => {
+            let detail = format!("`id` must be a string, got {}", kind_of(fields.id_text()));
+            return Err(reject((Reason::MissingId, detail)));
+        }
+    };
+    let keyed = |place: Option<i64>, e: Invalid| {
+        let mut r = reject(e);
+        r.place_id = place;
+        r.id = Some(id.clone());
+        r
+    };
+    if id.len() > MAX_ID_BYTES {
+        let detail = format!("`id` is {} bytes, the limit is {MAX_ID_BYTES}", id.len());
+        return Err(keyed(place_id, (Reason::InvalidValue, detail)));
+    }
+    let place_id = match place_id {
+        Some(p) => p,
+        None => {
+            if let Some(brand) = fields.brand_id {
+                let brand = int("brand_id", brand).map_err(|e| keyed(None, e))?;
+                if brand != rules.brand_id {
+                    let detail = format!("brand_id {brand}, the partner's brand is {}", rules.brand_id);
+                    return Err(keyed(None, (Reason::BrandMismatch, detail)));
+                }
+            }
+            match fields.place_id {
+                Some(p) => int("place_id", p).map_err(|e| keyed(None, e))?,
+                None => return Err(keyed(None, (Reason::MissingPlace, "no `place_id`".into()))),
+            }
+        }
+    };
+    let mut item = Item { place_id, id: id.clone(), product: Product::default(), missing: Vec::new() };
+    fill_product(&fields, rules.owned, &mut item).map_err(|e| keyed(Some(place_id), e))?;
+    Ok(item)
+}
+
+impl RawFields<'_> {
+    fn id_text(&self) -> &str {
+        self.id.map_or("", |v| v.get())
+    }
+}
+
+fn fill_product(f: &RawFields, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
+    use product_field as pf;
+    let p = &mut item.product;
+    let mut present = |field: u32, raw: Option<&RawValue>| -> Option<&RawValue> {
+        if !owned.contains(field) {
+            return None;
+        }
+        if raw.is_none() {
+            item.missing.push(field);
+        }
+        raw
+    };
+    // In field-number order, so that `missing` comes out sorted.
+    let (title, category, price) =
+        (present(pf::TITLE, f.title), present(pf::CATEGORY, f.category), present(pf::PRICE, f.price));
+    let (old_price, currency, stock) = (
+        present(pf::OLD_PRICE, f.old_price),
+        present(pf::CURRENCY, f.currency),
+        present(pf::STOCK, f.stock),
+    );
+    let (images, description) = (present(pf::IMAGES, f.images), present(pf::DESCRIPTION, f.description));
+    p.title = title.map(|v| string("title", v)).transpose()?;
+    p.category = category.map(|v| string("category", v)).transpose()?;
+    p.price = price.map(|v| int("price", v)).transpose()?;
+    p.old_price = old_price.map(|v| int("old_price", v)).transpose()?;
+    p.currency = currency.map(|v| string("currency", v)).transpose()?;
+    p.stock = stock.map(|v| int("stock", v)).transpose()?;
+    p.images = images.map(|v| strings("images", v)).transpose()?.unwrap_or_default();
+    p.description = description.map(|v| string("description", v)).transpose()?;
+    Ok(())
+}
+
+/// A JSON integer in i64. A float (even `2.0`) is the wrong type: prices and
+/// stock are integers in minor units, and guessing a rounding would be worse.
+fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
+    let text = raw.get();
+    if let Ok(n) = text.parse::<i64>() {
+        return Ok(n);
+    }
+    let wrong = || (Reason::WrongType, format!("`{name}` must be an integer, got {}", kind_of(text)));
+    let out_of_range = || (Reason::OutOfRange, format!("`{name}` = {} does not fit in 64 bits", clip(text)));
+    if !text.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+        return Err(wrong());
+    }
+    if text.contains(['.', 'e', 'E']) {
+        return match text.parse::<f64>() {
+            Ok(x) if x.fract() == 0.0 && (x >= 9.3e18 || x <= -9.3e18) => Err(out_of_range()),
+            _ => Err(wrong()),
+        };
+    }
+    Err(out_of_range())
+}
+
+fn string(name: &str, raw: &RawValue) -> Result<String, Invalid> {
+    let s: String = serde_json::from_str(raw.get())
+        .map_err(|_| (Reason::WrongType, format!("`{name}` must be a string, got {}", kind_of(raw.get()))))?;
+    if s.len() > MAX_STRING_BYTES {
+        let detail = format!("`{name}` is {} bytes, the limit is {MAX_STRING_BYTES}", s.len());
+        return Err((Reason::InvalidValue, detail));
+    }
+    Ok(s)
+}
+
+fn strings(name: &str, raw: &RawValue) -> Result<Vec<String>, Invalid> {
+    let wrong = || (Reason::WrongType, format!("`{name}` must be an array of strings"));
+    let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| wrong())?;
+    if items.len() > MAX_IMAGES {
+        let detail = format!("{} `{name}`, the limit is {MAX_IMAGES}", items.len());
+        return Err((Reason::InvalidValue, detail));
+    }
+    items.into_iter().map(|v| string(name, v).map_err(|e| if e.0 == Reason::WrongType { wrong() } else { e })).collect()
+}
+
+/// The JSON type of a raw value, for error details.
+fn kind_of(text: &str) -> &'static str {
+    match text.trim_start().bytes().next() {
+        Some(b'"') => "a string",
+        Some(b'{') => "an object",
+        Some(b'[') => "an array",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'n') => "null",
+        Some(b'-' | b'0'..=b'9') if text.contains(['.', 'e', 'E']) => "a float",
+        Some(b'-' | b'0'..=b'9') => "an integer",
+        _ => "something that is not JSON",
+    }
+}
+
+fn clip(text: &str) -> &str {
+    text.get(..40).unwrap_or(text)
+}
+
+/// What a command needs beyond the item.
+#[derive(Debug, Clone)]
+pub struct CommandContext {
+    pub brand_id: i64,
+    /// Import start (µs) for a full import, 0 for a delta.
+    pub generation: i64,
+    pub clear_missing: bool,
+    pub source: String,
+    pub import_id: String,
+}
+
+/// One item, one PATCH: the owned fields it carries, and (with
+/// `clear_missing`) the owned fields it no longer carries.
+pub fn to_command(item: Item, ctx: &CommandContext, published_at: i64) -> Command {
+    Command {
+        key: Some(RecordKey::new(ctx.brand_id, item.place_id, item.id)),
+        kind: CommandKind::Patch as i32,
+        data: item.product.encode_to_vec(),
+        clear_data_fields: if ctx.clear_missing { item.missing } else { Vec::new() },
+        generation: ctx.generation,
+        origin: Some(Origin {
+            source: ctx.source.clone(),
+            import_id: ctx.import_id.clone(),
+            published_at,
+        }),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(owned: OwnedFields) -> ItemRules {
+        ItemRules { brand_id: 7, owned, max_item_bytes: 64 * 1024 }
+    }
+
+    fn reason(raw: &str) -> Reason {
+        parse_item(raw, Some(1), &rules(OwnedFields::all())).expect_err(raw).reason
+    }
+
+    #[test]
+    fn zero_price_and_stock_are_present_in_the_encoded_product() {
+        let item = parse_item(r#"{"id":"a","price":0,"stock":0}"#, Some(1), &rules(OwnedFields::all()))
+            .expect("valid");
+        let ctx = CommandContext {
+            brand_id: 7,
+            generation: 5,
+            clear_missing: true,
+            source: "p".into(),
+            import_id: "p-5".into(),
+        };
+        let cmd = to_command(item, &ctx, 9);
+        let product = Product::decode(cmd.data.as_slice()).expect("decodes");
+        assert_eq!((product.price, product.stock), (Some(0), Some(0)));
+        assert_eq!(cmd.kind, CommandKind::Patch as i32);
+        assert_eq!(cmd.generation, 5);
+        assert_eq!(cmd.key, Some(RecordKey::new(7, 1, "a")));
+    }
+
+    #[test]
+    fn only_owned_fields_are_kept_and_missing_owned_ones_cleared() {
+        let owned = OwnedFields::from_names(&["price", "old_price", "stock"]);
+        // `title` is not owned: ignored even though it has the wrong type.
+        let raw = r#"{"id":"a","price":100,"title":42,"currency":"RUB","stock":null}"#;
+        let item = parse_item(raw, Some(1), &rules(owned)).expect("valid");
+        assert_eq!(item.product, Product { price: Some(100), ..Default::default() });
+        assert_eq!(item.missing, vec![product_field::OLD_PRICE, product_field::STOCK]);
+        let mut ctx = CommandContext {
+            brand_id: 7,
+            generation: 0,
+            clear_missing: false,
+            source: "p".into(),
+            import_id: "i".into(),
+        };
+        assert!(to_command(item.clone(), &ctx, 0).clear_data_fields.is_empty());
+        ctx.clear_missing = true;
+        assert_eq!(to_command(item, &ctx, 0).clear_data_fields, vec![4, 6]);
+    }
+
+    #[test]
+    fn every_field_maps() {
+        let raw = r#"{"id":"sku-1","title":"Roses","category":"roses","price":349000,"old_price":399000,
+            "currency":"RUB","stock":5,"images":["a.jpg","b.jpg"],"description":"d","extra":{"x":[1]}}"#;
+        let item = parse_item(raw, Some(42), &rules(OwnedFields::all())).expect("valid");
+        assert_eq!(item.product.title.as_deref(), Some("Roses"));
+        assert_eq!(item.product.old_price, Some(399000));
+        assert_eq!(item.product.images, vec!["a.jpg", "b.jpg"]);
+        assert!(item.missing.is_empty());
+        assert_eq!((item.place_id, item.id.as_str()), (42, "sku-1"));
+    }
+
+    #[test]
+    fn rejections_have_stable_reasons() {
+        assert_eq!(reason(r#"{"title":"x"}"#), Reason::MissingId);
+        assert_eq!(reason(r#"{"id":""}"#), Reason::MissingId);
+        assert_eq!(reason(r#"{"id":12}"#), Reason::MissingId);
+        assert_eq!(reason(r#"{"id":null}"#), Reason::MissingId);
+        assert_eq!(reason(r#"{"id":"a","price":"12"}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","price":1.5}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","stock":true}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","images":"x.jpg"}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","images":[1]}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","title":["t"]}"#), Reason::WrongType);
+        assert_eq!(reason(r#"{"id":"a","price":99999999999999999999}"#), Reason::OutOfRange);
+        assert_eq!(reason(r#"{"id":"a","price":-1e30}"#), Reason::OutOfRange);
+        assert_eq!(reason(&format!(r#"{{"id":"{}"}}"#, "x".repeat(257))), Reason::InvalidValue);
+        let images = vec!["\"i\""; 65].join(",");
+        assert_eq!(reason(&format!(r#"{{"id":"a","images":[{images}]}}"#)), Reason::InvalidValue);
+        assert_eq!(reason("[1,2]"), Reason::NotAnObject);
+        assert_eq!(reason("\"sku\""), Reason::NotAnObject);
+        assert_eq!(reason(r#"{"id":"a","id":"b"}"#), Reason::Malformed);
+    }
+
+    #[test]
+    fn wrong_type_names_the_field_and_keeps_the_key() {
+        let r = parse_item(r#"{"id":"a","price":"12"}"#, Some(3), &rules(OwnedFields::all())).expect_err("bad");
+        assert!(r.detail.contains("`price`"), "{}", r.detail);
+        assert_eq!((r.place_id, r.id.as_deref()), (Some(3), Some("a")));
+    }
+
+    #[test]
+    fn size_limits() {
+        let small = ItemRules { max_item_bytes: 20, ..rules(OwnedFields::all()) };
+        let raw = r#"{"id":"a","title":"a long title"}"#;
+        let r = parse_item(raw, Some(1), &small).expect_err("too large");
+        assert_eq!(r.reason, Reason::TooLarge);
+        let huge = ItemRules { max_item_bytes: 1 << 20, ..rules(OwnedFields::all()) };
+        let raw = format!(r#"{{"id":"a","description":"{}"}}"#, "d".repeat(MAX_STRING_BYTES + 1));
+        let r = parse_item(&raw, Some(1), &huge).expect_err("string too long");
+        assert_eq!(r.reason, Reason::InvalidValue);
+        assert_eq!(r.raw.len(), MAX_RAW_BYTES);
+    }
+
+    #[test]
+    fn business_rules_are_not_ingests_business() {
+        let item = parse_item(r#"{"id":"a","price":-5,"stock":-1}"#, Some(1), &rules(OwnedFields::all()));
+        assert_eq!(item.expect("lands").product.stock, Some(-1));
+    }
+
+    #[test]
+    fn ndjson_items_carry_their_own_place_and_brand() {
+        let r = rules(OwnedFields::all());
+        let item = parse_item(r#"{"id":"a","brand_id":7,"place_id":9}"#, None, &r).expect("valid");
+        assert_eq!(item.place_id, 9);
+        let e = parse_item(r#"{"id":"a","brand_id":8,"place_id":9}"#, None, &r).expect_err("brand");
+        assert_eq!(e.reason, Reason::BrandMismatch);
+        let e = parse_item(r#"{"id":"a","brand_id":7}"#, None, &r).expect_err("place");
+        assert_eq!(e.reason, Reason::MissingPlace);
+        let e = parse_item(r#"{"id":"a","place_id":"9"}"#, None, &r).expect_err("place type");
+        assert_eq!(e.reason, Reason::WrongType);
+    }
+}

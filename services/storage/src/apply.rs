@@ -1,0 +1,433 @@
+//! The pure core of storage (DESIGN §4): applies one command batch to the
+//! records it touches and says what changed. No I/O: the caller loads the
+//! touched records, calls [`apply_batch`], and commits the [`Outcome`].
+
+use std::collections::HashMap;
+
+use shelfsync_proto::{
+    Change, ChangeKind, Command, CommandBatch, CommandKind, Origin, Record, RecordKey, Rejection,
+    Sweep,
+};
+
+/// Identifies a record inside one brand: `(place_id, product_id)`. The brand
+/// is part of the key too; kept as the full triple to keep mistakes out.
+pub type Key = (i64, i64, String);
+
+/// The generation column of a record, with the two flags the sweep needs
+/// without reading the record itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GenEntry {
+    pub generation: i64,
+    pub absent: bool,
+    pub deleted: bool,
+}
+
+impl GenEntry {
+    /// `"<gen>"`, `"<gen>a"` (absent) or `"<gen>d"` (deleted).
+    pub fn encode(&self) -> String {
+        let flag = if self.deleted {
+            "d"
+        } else if self.absent {
+            "a"
+        } else {
+            ""
+        };
+        format!("{}{flag}", self.generation)
+    }
+
+    pub fn decode(s: &[u8]) -> Option<GenEntry> {
+        let s = std::str::from_utf8(s).ok()?;
+        let (num, absent, deleted) = match s.as_bytes().last()? {
+            b'a' => (&s[..s.len() - 1], true, false),
+            b'd' => (&s[..s.len() - 1], false, true),
+            _ => (s, false, false),
+        };
+        Some(GenEntry {
+            generation: num.parse().ok()?,
+            absent,
+            deleted,
+        })
+    }
+}
+
+/// One record as loaded from, and written back to, Redis.
+#[derive(Debug, Clone, Default)]
+pub struct Slot {
+    /// The stored envelope (key and generation are not stored in it).
+    pub record: Option<Record>,
+    pub generation: i64,
+    /// The record bytes must be written back.
+    pub record_dirty: bool,
+    /// The generation entry must be written back.
+    pub gen_dirty: bool,
+    /// Tombstone index change: Some(true) add, Some(false) remove.
+    pub tombstone: Option<bool>,
+}
+
+impl Slot {
+    pub fn gen_entry(&self) -> GenEntry {
+        let r = self.record.as_ref();
+        GenEntry {
+            generation: self.generation,
+            absent: r.is_some_and(|r| r.absent),
+            deleted: r.is_some_and(|r| r.deleted),
+        }
+    }
+}
+
+/// Limits and clock for one batch.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub partition: u32,
+    pub partitions: u32,
+    pub max_record_bytes: usize,
+    /// Wall clock of this batch, microseconds.
+    pub now_us: i64,
+}
+
+/// What applying a batch produced, in command order.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub changes: Vec<Change>,
+    pub rejections: Vec<Rejection>,
+    /// Commands that changed nothing but the generation, or nothing at all.
+    pub unchanged: u64,
+    pub applied: u64,
+}
+
+/// Stable reasons carried by rejections.
+pub mod reason {
+    pub const CONFLICT: &str = "conflict";
+    pub const TOO_LARGE: &str = "too_large";
+    pub const MALFORMED: &str = "malformed";
+    pub const WRONG_PARTITION: &str = "wrong_partition";
+    pub const UNDECODABLE: &str = "undecodable";
+    pub const FAILED: &str = "failed";
+}
+
+/// The records a batch needs loaded: every command key and, for sweeps, the
+/// whole generation column of the swept places.
+pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<(i64, i64)>) {
+    let mut keys: Vec<Key> = batch
+        .commands
+        .iter()
+        .filter_map(|c| c.key.as_ref())
+        .filter(|k| !k.product_id.is_empty())
+        .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
+        .collect();
+    keys.sort();
+    keys.dedup();
+    let mut places: Vec<(i64, i64)> = batch
+        .sweeps
+        .iter()
+        .map(|s| (s.brand_id, s.place_id))
+        .collect();
+    places.sort();
+    places.dedup();
+    (keys, places)
+}
+
+fn reject(cmd: &Command, reason: &str, detail: String) -> Rejection {
+    Rejection {
+        command: Some(cmd.clone()),
+        reason: reason.to_string(),
+        detail,
+        key: cmd.key.clone(),
+        origin: cmd.origin.clone(),
+        raw: Vec::new(),
+    }
+}
+
+fn bump(prev: i64, now: i64) -> i64 {
+    now.max(prev + 1)
+}
+
+/// Applies the commands in order, then the sweeps. `slots` holds every key of
+/// [`touched`] (missing records as empty slots); `sweep_gens` holds, per swept
+/// place, the generation column `(product_id, entry)` as stored. Slots are
+/// updated in place with dirty flags for the commit.
+pub fn apply_batch(
+    batch: &CommandBatch,
+    slots: &mut HashMap<Key, Slot>,
+    sweep_gens: &HashMap<(i64, i64), Vec<(String, GenEntry)>>,
+    limits: &Limits,
+) -> Outcome {
+    let mut out = Outcome::default();
+    for cmd in &batch.commands {
+        match apply_command(cmd, slots, limits) {
+            Ok(Some(change)) => {
+                out.applied += 1;
+                out.changes.push(change);
+            }
+            Ok(None) => {
+                out.applied += 1;
+                out.unchanged += 1;
+            }
+            Err(rejection) => out.rejections.push(rejection),
+        }
+    }
+    for sweep in &batch.sweeps {
+        apply_sweep(sweep, slots, sweep_gens, limits, &mut out);
+    }
+    out
+}
+
+fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Rejection> {
+    let Some(key) = cmd.key.clone() else {
+        return Err(reject(
+            cmd,
+            reason::MALFORMED,
+            "command without a key".into(),
+        ));
+    };
+    if key.product_id.is_empty() || key.product_id.len() > 512 {
+        return Err(reject(
+            cmd,
+            reason::MALFORMED,
+            "product_id must be 1..=512 bytes".into(),
+        ));
+    }
+    let p = shelfsync_bus::partition_of(key.brand_id, key.place_id, limits.partitions);
+    if p.0 != limits.partition {
+        return Err(reject(
+            cmd,
+            reason::WRONG_PARTITION,
+            format!(
+                "place belongs to partition {p}, sent to {}",
+                limits.partition
+            ),
+        ));
+    }
+    Ok(key)
+}
+
+/// Applies one command to its slot. `Ok(None)`: nothing observable changed
+/// (the generation may have been written silently).
+fn apply_command(
+    cmd: &Command,
+    slots: &mut HashMap<Key, Slot>,
+    limits: &Limits,
+) -> Result<Option<Change>, Rejection> {
+    let key = validate(cmd, limits)?;
+    let kind = CommandKind::try_from(cmd.kind).unwrap_or(CommandKind::Unspecified);
+    if kind == CommandKind::Unspecified {
+        return Err(reject(
+            cmd,
+            reason::MALFORMED,
+            format!("unknown command kind {}", cmd.kind),
+        ));
+    }
+    let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
+    let slot = slots.entry(slot_key).or_default();
+    let current_updated = slot.record.as_ref().map_or(0, |r| r.updated_at);
+    if let Some(expected) = cmd.expected_updated_at
+        && expected != current_updated
+    {
+        return Err(reject(
+            cmd,
+            reason::CONFLICT,
+            format!("expected updated_at {expected}, record is at {current_updated}"),
+        ));
+    }
+
+    let before = slot.record.clone();
+    let before_generation = slot.generation;
+    // A deleted record is gone: a later write starts from nothing.
+    let live = before.as_ref().filter(|r| !r.deleted);
+    let base_data = live.map_or(&[][..], |r| &r.data[..]);
+    let base_state = live.map_or(&[][..], |r| &r.state[..]);
+    let malformed = |what: &str, e: shelfsync_merge::MergeError| {
+        reject(cmd, reason::MALFORMED, format!("{what}: {e}"))
+    };
+    let mut next = before.clone().unwrap_or_default();
+    match kind {
+        CommandKind::Save => {
+            next.data =
+                shelfsync_merge::canonicalize(&cmd.data).map_err(|e| malformed("data", e))?;
+            next.state =
+                shelfsync_merge::canonicalize(&cmd.state).map_err(|e| malformed("state", e))?;
+            next.deleted = false;
+        }
+        CommandKind::Patch => {
+            next.data = shelfsync_merge::merge(base_data, &cmd.data, &cmd.clear_data_fields)
+                .map_err(|e| malformed("data", e))?;
+            next.state = shelfsync_merge::merge(base_state, &cmd.state, &cmd.clear_state_fields)
+                .map_err(|e| malformed("state", e))?;
+            next.deleted = false;
+        }
+        CommandKind::Delete => {
+            if before.is_none() {
+                // Deleting what never existed changes nothing.
+                return Ok(None);
+            }
+            next.deleted = true;
+        }
+        CommandKind::Unspecified => unreachable!("rejected above"),
+    }
+    let size = next.data.len() + next.state.len();
+    if size > limits.max_record_bytes {
+        return Err(reject(
+            cmd,
+            reason::TOO_LARGE,
+            format!(
+                "record would be {size} bytes, limit {}",
+                limits.max_record_bytes
+            ),
+        ));
+    }
+    // Only full imports stamp generations; a record they carry is present.
+    if cmd.generation > 0 && kind != CommandKind::Delete {
+        next.absent = false;
+        if slot.generation != cmd.generation {
+            slot.generation = cmd.generation;
+            slot.gen_dirty = true;
+        }
+    }
+
+    let observable = |r: &Record| (r.data.clone(), r.state.clone(), r.absent, r.deleted);
+    let changed = before
+        .as_ref()
+        .is_none_or(|b| observable(b) != observable(&next));
+    if !changed {
+        return Ok(None);
+    }
+    let was_deleted = before.as_ref().is_some_and(|b| b.deleted);
+    next.updated_at = bump(current_updated, limits.now_us);
+    if before.is_none() || was_deleted {
+        next.created_at = next.updated_at;
+    }
+    let kind = if next.deleted {
+        ChangeKind::Deleted
+    } else if before.is_none() || was_deleted {
+        ChangeKind::Created
+    } else {
+        ChangeKind::Updated
+    };
+    slot.tombstone = match (was_deleted, next.deleted) {
+        (false, true) => Some(true),
+        (true, false) => Some(false),
+        _ => slot.tombstone,
+    };
+    slot.record = Some(next.clone());
+    slot.record_dirty = true;
+    slot.gen_dirty = true; // the flags in the generation column follow the record
+    let before = before.as_ref().map(|r| (r, before_generation));
+    Ok(Some(change(
+        &key,
+        before,
+        &next,
+        kind,
+        slot.generation,
+        cmd.origin.clone(),
+    )))
+}
+
+fn apply_sweep(
+    sweep: &Sweep,
+    slots: &mut HashMap<Key, Slot>,
+    sweep_gens: &HashMap<(i64, i64), Vec<(String, GenEntry)>>,
+    limits: &Limits,
+    out: &mut Outcome,
+) {
+    let place = (sweep.brand_id, sweep.place_id);
+    let origin = Some(Origin {
+        source: sweep.source.clone(),
+        import_id: sweep.import_id.clone(),
+        published_at: 0,
+    });
+    let stored = sweep_gens
+        .get(&place)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let column: HashMap<&str, GenEntry> = stored.iter().map(|(p, e)| (p.as_str(), *e)).collect();
+    // Records written earlier in this batch may not be in the stored column.
+    let mut products: Vec<String> = stored.iter().map(|(p, _)| p.clone()).collect();
+    products.extend(
+        slots
+            .keys()
+            .filter(|(b, p, _)| (*b, *p) == place)
+            .map(|(_, _, id)| id.clone()),
+    );
+    products.sort();
+    products.dedup();
+    for product_id in products {
+        let k = (place.0, place.1, product_id);
+        // A slot touched earlier in this batch is newer than the column.
+        let entry = match slots.get(&k) {
+            Some(slot) => slot.gen_entry(),
+            None => column.get(k.2.as_str()).copied().unwrap_or_default(),
+        };
+        if entry.absent || entry.deleted || entry.generation >= sweep.generation {
+            continue;
+        }
+        // The store loads every candidate; a missing one is skipped, not guessed.
+        let Some(slot) = slots.get_mut(&k) else {
+            continue;
+        };
+        let Some(before) = slot.record.clone() else {
+            continue;
+        };
+        let mut next = before.clone();
+        next.absent = true;
+        next.updated_at = bump(before.updated_at, limits.now_us);
+        slot.record = Some(next.clone());
+        slot.record_dirty = true;
+        slot.gen_dirty = true;
+        let key = RecordKey::new(place.0, place.1, k.2.clone());
+        let generation = slot.generation;
+        out.changes.push(change(
+            &key,
+            Some((&before, generation)),
+            &next,
+            ChangeKind::Updated,
+            generation,
+            origin.clone(),
+        ));
+    }
+}
+
+/// Sweep candidates of a place: products whose stored generation is below
+/// the sweep's and that are neither absent nor deleted.
+pub fn sweep_candidates(sweep: &Sweep, column: &[(String, GenEntry)]) -> Vec<String> {
+    column
+        .iter()
+        .filter(|(_, e)| !e.absent && !e.deleted && e.generation < sweep.generation)
+        .map(|(p, _)| p.clone())
+        .collect()
+}
+
+fn with_key(r: &Record, key: &RecordKey, generation: i64) -> Record {
+    Record {
+        key: Some(key.clone()),
+        generation,
+        ..r.clone()
+    }
+}
+
+fn change(
+    key: &RecordKey,
+    before: Option<(&Record, i64)>,
+    after: &Record,
+    kind: ChangeKind,
+    generation: i64,
+    origin: Option<Origin>,
+) -> Change {
+    let empty = Record::default();
+    let b = before.map_or(&empty, |(r, _)| r);
+    // Both sides are canonical (merge output), so any error means stored
+    // garbage; report every field as changed rather than none.
+    let changed_data = shelfsync_merge::changed_fields(&b.data, &after.data).unwrap_or_default();
+    let changed_state = shelfsync_merge::changed_fields(&b.state, &after.state).unwrap_or_default();
+    Change {
+        key: Some(key.clone()),
+        before: before.map(|(r, g)| with_key(r, key, g)),
+        after: Some(with_key(after, key, generation)),
+        kind: kind as i32,
+        changed_data_fields: changed_data,
+        changed_state_fields: changed_state,
+        origin,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,32 @@
+//! Counters of the storage process, read by tests, the CLI and metrics.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Command messages committed.
+    pub batches: AtomicU64,
+    /// Redelivered command messages skipped as already applied.
+    pub batches_skipped: AtomicU64,
+    pub commands: AtomicU64,
+    pub applied: AtomicU64,
+    /// Applied commands that changed nothing observable.
+    pub unchanged: AtomicU64,
+    pub changes: AtomicU64,
+    pub rejected: AtomicU64,
+    pub sweeps: AtomicU64,
+    pub published: AtomicU64,
+    pub purged: AtomicU64,
+    pub retries: AtomicU64,
+    pub fenced: AtomicU64,
+    pub dead_lettered: AtomicU64,
+}
+
+impl Stats {
+    pub fn add(&self, counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,623 @@
+//! Redis: the only place storage state lives. Owns the key layout and the
+//! atomic commit; knows nothing of NATS or of merge rules.
+//!
+//! Key layout, all of one partition under one hash tag `{<ns>:p<N>}` so that
+//! every batch is single-slot and runs unchanged on Redis Cluster:
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `{ns:pN}:r:<brand>:<place>` | hash | product_id → `Record` bytes (no key, no generation) |
+//! | `{ns:pN}:g:<brand>:<place>` | hash | product_id → generation + absent/deleted flag |
+//! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
+//! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
+//! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
+//! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
+//!
+//! Generations live apart from records so that an identical re-import
+//! writes one small bulk `HSET` per place and no record bytes.
+
+use std::collections::{BTreeMap, HashMap};
+
+use prost::Message;
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+use shelfsync_proto::{CommandBatch, OutboxEntry, Record, RecordKey};
+use shelfsync_settings::RedisSettings;
+
+use crate::apply::{GenEntry, Key, Slot, sweep_candidates, touched};
+
+/// A standalone or cluster connection, chosen by config; both multiplex and
+/// reconnect on their own.
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl RedisConn {
+    pub async fn connect(cfg: &RedisSettings) -> redis::RedisResult<RedisConn> {
+        if cfg.cluster {
+            let client = redis::cluster::ClusterClient::builder(cfg.urls())
+                .retries(6)
+                .build()?;
+            Ok(RedisConn::Cluster(client.get_async_connection().await?))
+        } else {
+            let client = redis::Client::open(cfg.url.as_str())?;
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(std::time::Duration::from_secs(5)))
+                .set_response_timeout(Some(std::time::Duration::from_secs(10)))
+                .set_max_delay(std::time::Duration::from_secs(2));
+            Ok(RedisConn::Single(
+                client.get_connection_manager_with_config(config).await?,
+            ))
+        }
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("unexpected redis reply: {0}")]
+    Reply(#[from] redis::ParsingError),
+    #[error("stored data is corrupt at {key}: {detail}")]
+    Corrupt { key: String, detail: String },
+}
+
+impl StoreError {
+    /// Worth retrying later (server down, loading, failover), as opposed to
+    /// an error that the same input will hit again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Redis(e) => {
+                e.is_io_error()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_unrecoverable_error()
+                    || matches!(
+                        e.code(),
+                        Some(
+                            "LOADING"
+                                | "TRYAGAIN"
+                                | "CLUSTERDOWN"
+                                | "MASTERDOWN"
+                                | "BUSY"
+                                | "READONLY"
+                                | "NOAUTH"
+                        )
+                    )
+            }
+            StoreError::Corrupt { .. } | StoreError::Reply(_) => false,
+        }
+    }
+}
+
+/// Key names of one partition.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    tag: String,
+}
+
+impl Keys {
+    pub fn new(namespace: &str, partition: u32) -> Self {
+        Self {
+            tag: format!("{{{namespace}:p{partition}}}"),
+        }
+    }
+    pub fn records(&self, brand: i64, place: i64) -> String {
+        format!("{}:r:{brand}:{place}", self.tag)
+    }
+    pub fn gens(&self, brand: i64, place: i64) -> String {
+        format!("{}:g:{brand}:{place}", self.tag)
+    }
+    pub fn seq(&self) -> String {
+        format!("{}:seq", self.tag)
+    }
+    pub fn outbox(&self) -> String {
+        format!("{}:outbox", self.tag)
+    }
+    pub fn tombstones(&self) -> String {
+        format!("{}:tomb", self.tag)
+    }
+    pub fn places(&self) -> String {
+        format!("{}:places", self.tag)
+    }
+}
+
+/// What a batch needs from Redis before it is applied.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Last applied command sequence of the partition (0: none).
+    pub seq: u64,
+    pub slots: HashMap<Key, Slot>,
+    pub sweep_gens: HashMap<(i64, i64), Vec<(String, GenEntry)>>,
+}
+
+/// Result of the atomic commit.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Commit {
+    Done,
+    /// Another writer moved the partition's sequence since it was read: this
+    /// process is not (or no longer) the only owner. Nothing was written.
+    Fenced,
+}
+
+/// Checks the sequence read at load time, then runs every write of the batch
+/// and sets the new sequence, all in one atomic step.
+const COMMIT_LUA: &str = r#"
+local cur = redis.call('GET', KEYS[1]) or '0'
+if cur ~= ARGV[1] then return 0 end
+local i = 3
+local n = #ARGV
+while i <= n do
+  local op = ARGV[i]
+  local key = KEYS[tonumber(ARGV[i + 1])]
+  local count = tonumber(ARGV[i + 2])
+  i = i + 3
+  if op ~= 'HSET' and op ~= 'HDEL' and op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' then
+    return redis.error_reply('commit: unknown op ' .. op)
+  end
+  redis.call(op, key, unpack(ARGV, i, i + count - 1))
+  i = i + count
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"#;
+
+/// Lua's `unpack` is bounded by the C stack (~8000 values): ops are chunked.
+const MAX_OP_ARGS: usize = 1000;
+
+/// Builds the argument list of [`COMMIT_LUA`].
+struct CommitOps {
+    keys: Vec<String>,
+    key_index: HashMap<String, usize>,
+    args: Vec<Vec<u8>>,
+}
+
+impl CommitOps {
+    fn new(seq_key: String, expected: u64, new: u64) -> Self {
+        let mut ops = Self {
+            keys: Vec::new(),
+            key_index: HashMap::new(),
+            args: Vec::new(),
+        };
+        ops.key(&seq_key);
+        ops.args.push(expected.to_string().into_bytes());
+        ops.args.push(new.to_string().into_bytes());
+        ops
+    }
+
+    fn key(&mut self, k: &str) -> usize {
+        if let Some(&i) = self.key_index.get(k) {
+            return i;
+        }
+        self.keys.push(k.to_string());
+        self.key_index.insert(k.to_string(), self.keys.len());
+        self.keys.len()
+    }
+
+    /// Adds `op key args...`, split into chunks whose length is a multiple of
+    /// `stride` (field/value pairs stay together).
+    fn op(&mut self, op: &str, key: &str, args: Vec<Vec<u8>>, stride: usize) {
+        if args.is_empty() {
+            return;
+        }
+        let ki = self.key(key);
+        let chunk = MAX_OP_ARGS - MAX_OP_ARGS % stride;
+        for part in args.chunks(chunk) {
+            self.args.push(op.as_bytes().to_vec());
+            self.args.push(ki.to_string().into_bytes());
+            self.args.push(part.len().to_string().into_bytes());
+            self.args.extend(part.iter().cloned());
+        }
+    }
+}
+
+/// Storage's handle on Redis.
+#[derive(Clone)]
+pub struct Store {
+    conn: RedisConn,
+    namespace: String,
+    commit_script: redis::Script,
+}
+
+impl Store {
+    pub async fn connect(cfg: &RedisSettings) -> Result<Store, StoreError> {
+        Ok(Store {
+            conn: RedisConn::connect(cfg).await?,
+            namespace: cfg.namespace.clone(),
+            commit_script: redis::Script::new(COMMIT_LUA),
+        })
+    }
+
+    pub fn keys(&self, partition: u32) -> Keys {
+        Keys::new(&self.namespace, partition)
+    }
+
+    pub fn conn(&self) -> RedisConn {
+        self.conn.clone()
+    }
+
+    /// Reads the sequence, every record the batch touches (one HMGET per
+    /// place for records and one for generations) and, for sweeps, the
+    /// generation column of the place plus the records it may mark absent.
+    pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
+        let keys = self.keys(partition);
+        let (touched_keys, sweep_places) = touched(batch);
+        let mut by_place: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
+        for (b, p, id) in touched_keys {
+            by_place.entry((b, p)).or_default().push(id);
+        }
+        let mut pipe = redis::pipe();
+        pipe.get(keys.seq());
+        for ((b, p), ids) in &by_place {
+            pipe.cmd("HMGET").arg(keys.records(*b, *p)).arg(ids);
+            pipe.cmd("HMGET").arg(keys.gens(*b, *p)).arg(ids);
+        }
+        for (b, p) in &sweep_places {
+            pipe.cmd("HGETALL").arg(keys.gens(*b, *p));
+        }
+        let mut conn = self.conn.clone();
+        let mut values: std::vec::IntoIter<Value> =
+            pipe.query_async::<Vec<Value>>(&mut conn).await?.into_iter();
+
+        let mut loaded = Loaded {
+            seq: redis::from_redis_value::<Option<u64>>(values.next().unwrap_or(Value::Nil))?
+                .unwrap_or(0),
+            ..Default::default()
+        };
+        for ((b, p), ids) in by_place {
+            let recs: Vec<Option<Vec<u8>>> =
+                redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
+            let gens: Vec<Option<Vec<u8>>> =
+                redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
+            for ((id, rec), generation) in ids.into_iter().zip(recs).zip(gens) {
+                let slot = self.slot(&keys, b, p, &id, rec.as_deref(), generation.as_deref())?;
+                loaded.slots.insert((b, p, id), slot);
+            }
+        }
+        let mut missing: BTreeMap<(i64, i64), Vec<(String, GenEntry)>> = BTreeMap::new();
+        for (b, p) in sweep_places {
+            let column: Vec<(Vec<u8>, Vec<u8>)> =
+                redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
+            let mut parsed = Vec::with_capacity(column.len());
+            for (id, raw) in column {
+                let id = String::from_utf8(id).map_err(|e| StoreError::Corrupt {
+                    key: keys.gens(b, p),
+                    detail: e.to_string(),
+                })?;
+                let entry = GenEntry::decode(&raw).ok_or_else(|| StoreError::Corrupt {
+                    key: keys.gens(b, p),
+                    detail: format!("bad generation entry for {id}"),
+                })?;
+                parsed.push((id, entry));
+            }
+            // Only the generation is known for candidates; fetch their records.
+            for sweep in batch
+                .sweeps
+                .iter()
+                .filter(|s| (s.brand_id, s.place_id) == (b, p))
+            {
+                let entries: HashMap<&str, GenEntry> =
+                    parsed.iter().map(|(id, e)| (id.as_str(), *e)).collect();
+                for id in sweep_candidates(sweep, &parsed) {
+                    if !loaded.slots.contains_key(&(b, p, id.clone())) {
+                        let e = entries.get(id.as_str()).copied().unwrap_or_default();
+                        missing.entry((b, p)).or_default().push((id, e));
+                    }
+                }
+            }
+            loaded.sweep_gens.insert((b, p), parsed);
+        }
+        if !missing.is_empty() {
+            let mut pipe = redis::pipe();
+            for ((b, p), ids) in &missing {
+                let names: Vec<&str> = ids.iter().map(|(id, _)| id.as_str()).collect();
+                pipe.cmd("HMGET").arg(keys.records(*b, *p)).arg(names);
+            }
+            let values: Vec<Value> = pipe.query_async(&mut conn).await?;
+            for (((b, p), ids), value) in missing.into_iter().zip(values) {
+                let recs: Vec<Option<Vec<u8>>> = redis::from_redis_value(value)?;
+                for ((id, entry), rec) in ids.into_iter().zip(recs) {
+                    let mut slot = self.slot(&keys, b, p, &id, rec.as_deref(), None)?;
+                    slot.generation = entry.generation;
+                    loaded.slots.insert((b, p, id), slot);
+                }
+            }
+        }
+        Ok(loaded)
+    }
+
+    fn slot(
+        &self,
+        keys: &Keys,
+        b: i64,
+        p: i64,
+        id: &str,
+        rec: Option<&[u8]>,
+        generation: Option<&[u8]>,
+    ) -> Result<Slot, StoreError> {
+        let record = match rec {
+            Some(bytes) => Some(Record::decode(bytes).map_err(|e| StoreError::Corrupt {
+                key: format!("{} {id}", keys.records(b, p)),
+                detail: e.to_string(),
+            })?),
+            None => None,
+        };
+        let generation = generation
+            .and_then(GenEntry::decode)
+            .map_or(0, |g| g.generation);
+        Ok(Slot {
+            record,
+            generation,
+            ..Default::default()
+        })
+    }
+
+    /// Writes the dirty slots, the outbox entries and the new sequence in one
+    /// atomic step, if the partition's sequence is still `expected_seq`.
+    pub async fn commit(
+        &self,
+        partition: u32,
+        expected_seq: u64,
+        new_seq: u64,
+        slots: &HashMap<Key, Slot>,
+        outbox: &[OutboxEntry],
+    ) -> Result<Commit, StoreError> {
+        let keys = self.keys(partition);
+        let mut ops = CommitOps::new(keys.seq(), expected_seq, new_seq);
+        ops.key(&keys.outbox());
+        let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+        let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+        let mut tomb_add = Vec::new();
+        let mut tomb_rem = Vec::new();
+        for ((b, p, id), slot) in slots {
+            if slot.record_dirty
+                && let Some(r) = &slot.record
+            {
+                let stored = Record {
+                    key: None,
+                    generation: 0,
+                    ..r.clone()
+                };
+                let v = records.entry((*b, *p)).or_default();
+                v.push(id.as_bytes().to_vec());
+                v.push(stored.encode_to_vec());
+            }
+            if slot.gen_dirty {
+                let v = gens.entry((*b, *p)).or_default();
+                v.push(id.as_bytes().to_vec());
+                v.push(slot.gen_entry().encode().into_bytes());
+            }
+            match slot.tombstone {
+                Some(true) => {
+                    let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
+                    tomb_add.push(at.to_string().into_bytes());
+                    tomb_add.push(format!("{b}:{p}:{id}").into_bytes());
+                }
+                Some(false) => tomb_rem.push(format!("{b}:{p}:{id}").into_bytes()),
+                None => {}
+            }
+        }
+        let mut new_places = Vec::new();
+        for ((b, p), args) in records {
+            new_places.push(format!("{b}:{p}").into_bytes());
+            ops.op("HSET", &keys.records(b, p), args, 2);
+        }
+        for ((b, p), args) in gens {
+            ops.op("HSET", &keys.gens(b, p), args, 2);
+        }
+        ops.op("SADD", &keys.places(), new_places, 1);
+        ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
+        ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
+        ops.op(
+            "RPUSH",
+            &keys.outbox(),
+            outbox.iter().map(Message::encode_to_vec).collect(),
+            1,
+        );
+
+        let mut invocation = self.commit_script.prepare_invoke();
+        for k in &ops.keys {
+            invocation.key(k);
+        }
+        for a in &ops.args {
+            invocation.arg(a.as_slice());
+        }
+        let mut conn = self.conn.clone();
+        let done: i64 = invocation.invoke_async(&mut conn).await?;
+        Ok(if done == 1 {
+            Commit::Done
+        } else {
+            Commit::Fenced
+        })
+    }
+
+    /// The last applied command sequence of a partition.
+    pub async fn applied_seq(&self, partition: u32) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        let v: Option<u64> = redis::cmd("GET")
+            .arg(self.keys(partition).seq())
+            .query_async(&mut conn)
+            .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Up to `n` outbox entries from the head, oldest first.
+    pub async fn outbox_peek(
+        &self,
+        partition: u32,
+        n: usize,
+    ) -> Result<Vec<OutboxEntry>, StoreError> {
+        let key = self.keys(partition).outbox();
+        let mut conn = self.conn.clone();
+        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+            .arg(&key)
+            .arg(0)
+            .arg(n.saturating_sub(1) as i64)
+            .query_async(&mut conn)
+            .await?;
+        raw.iter()
+            .map(|b| {
+                OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    detail: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Removes `n` published entries from the head of the outbox.
+    pub async fn outbox_trim(&self, partition: u32, n: usize) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: Value = redis::cmd("LTRIM")
+            .arg(self.keys(partition).outbox())
+            .arg(n as i64)
+            .arg(-1)
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn outbox_len(&self, partition: u32) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("LLEN")
+            .arg(self.keys(partition).outbox())
+            .query_async(&mut conn)
+            .await?)
+    }
+
+    /// Purges up to `limit` tombstones deleted before `cutoff_us`. Runs in
+    /// the partition's worker between batches, so it cannot race a command.
+    pub async fn purge_tombstones(
+        &self,
+        partition: u32,
+        cutoff_us: i64,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let members: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+            .arg(keys.tombstones())
+            .arg("-inf")
+            .arg(cutoff_us)
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut conn)
+            .await?;
+        if members.is_empty() {
+            return Ok(0);
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for m in &members {
+            let mut parts = m.splitn(3, ':');
+            let (Some(b), Some(p), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
+                continue;
+            };
+            let (Ok(b), Ok(p)) = (b.parse::<i64>(), p.parse::<i64>()) else {
+                continue;
+            };
+            pipe.hdel(keys.records(b, p), id).ignore();
+            pipe.hdel(keys.gens(b, p), id).ignore();
+        }
+        pipe.zrem(keys.tombstones(), &members).ignore();
+        let _: () = pipe.query_async(&mut conn).await?;
+        Ok(members.len())
+    }
+
+    /// One record as storage holds it (key and generation filled in), or
+    /// `None`. A purged tombstone is `None`; a tombstone awaiting purge is
+    /// returned with `deleted = true`.
+    pub async fn get(
+        &self,
+        partitions: u32,
+        key: &RecordKey,
+    ) -> Result<Option<Record>, StoreError> {
+        let p = shelfsync_bus::partition_of(key.brand_id, key.place_id, partitions).0;
+        let keys = self.keys(p);
+        let mut conn = self.conn.clone();
+        let (rec, generation): (Option<Vec<u8>>, Option<Vec<u8>>) = redis::pipe()
+            .hget(keys.records(key.brand_id, key.place_id), &key.product_id)
+            .hget(keys.gens(key.brand_id, key.place_id), &key.product_id)
+            .query_async(&mut conn)
+            .await?;
+        let slot = self.slot(
+            &keys,
+            key.brand_id,
+            key.place_id,
+            &key.product_id,
+            rec.as_deref(),
+            generation.as_deref(),
+        )?;
+        Ok(slot.record.map(|r| Record {
+            key: Some(key.clone()),
+            generation: slot.generation,
+            ..r
+        }))
+    }
+
+    /// Every record of a place (key and generation filled in), in no order.
+    pub async fn place_records(
+        &self,
+        partitions: u32,
+        brand_id: i64,
+        place_id: i64,
+    ) -> Result<Vec<Record>, StoreError> {
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let mut conn = self.conn.clone();
+        let (recs, gens): (HashMap<String, Vec<u8>>, HashMap<String, Vec<u8>>) = redis::pipe()
+            .hgetall(keys.records(brand_id, place_id))
+            .hgetall(keys.gens(brand_id, place_id))
+            .query_async(&mut conn)
+            .await?;
+        let mut out = Vec::with_capacity(recs.len());
+        for (id, bytes) in recs {
+            let slot = self.slot(
+                &keys,
+                brand_id,
+                place_id,
+                &id,
+                Some(&bytes),
+                gens.get(&id).map(Vec::as_slice),
+            )?;
+            if let Some(r) = slot.record {
+                out.push(Record {
+                    key: Some(RecordKey::new(brand_id, place_id, id)),
+                    generation: slot.generation,
+                    ..r
+                });
+            }
+        }
+        Ok(out)
+    }
+}

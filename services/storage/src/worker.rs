@@ -1,0 +1,467 @@
+//! One partition's worker: pulls its command messages strictly in order,
+//! applies each batch, commits state + outbox + sequence atomically, relays
+//! the outbox to JetStream, then acks.
+//!
+//! Order of effects for one message (crash anywhere is safe):
+//! load → apply → **commit** → publish outbox → trim outbox → ack.
+//! A crash before the commit changes nothing (the message is redelivered); a
+//! crash after it leaves the outbox to be relayed at restart and the message
+//! to be skipped as already applied (its sequence is at or below the stored
+//! one); a re-published outbox entry is dropped by JetStream's duplicate
+//! window (deterministic `Nats-Msg-Id`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use futures::StreamExt;
+use prost::Message;
+use shelfsync_bus::{Partition, Publisher, Subjects};
+use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
+use shelfsync_settings::Settings;
+use tokio::sync::watch;
+use tracing::{Instrument, debug, error, info_span, warn};
+
+use crate::apply::{Limits, apply_batch, reason};
+use crate::failpoint;
+use crate::stats::Stats;
+use crate::store::{Commit, Store, StoreError};
+
+/// Outbox entries relayed per round trip.
+const RELAY_CHUNK: usize = 256;
+/// A non-transient failure is retried this many deliveries, then the batch
+/// is dead-lettered so that it cannot block its partition.
+const MAX_FAILED_DELIVERIES: u64 = 5;
+/// Raw bytes kept in a dead-letter rejection.
+const MAX_RAW: usize = 128 * 1024;
+
+pub struct Worker {
+    pub partition: Partition,
+    pub settings: Arc<Settings>,
+    pub subjects: Subjects,
+    pub js: jetstream::Context,
+    pub store: Store,
+    pub stats: Arc<Stats>,
+    /// Largest payload to publish (server max payload minus headroom).
+    pub max_bytes: usize,
+}
+
+enum Handled {
+    Applied,
+    Skipped,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum HandleError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("outbox relay: {0}")]
+    Relay(String),
+    #[error("message without JetStream metadata: {0}")]
+    NoInfo(String),
+}
+
+impl Worker {
+    fn now_us() -> i64 {
+        chrono::Utc::now().timestamp_micros()
+    }
+
+    async fn consumer(&self) -> anyhow::Result<jetstream::consumer::Consumer<pull::Config>> {
+        let stream = self.js.get_stream(self.subjects.cmd_stream()).await?;
+        let name = self.subjects.storage_consumer(self.partition);
+        let config = pull::Config {
+            durable_name: Some(name.clone()),
+            description: Some(format!("shelfsync storage, partition {}", self.partition)),
+            filter_subject: self.subjects.cmd(self.partition),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: self.settings.storage.ack_wait,
+            // One message at a time is what keeps a partition in order, also
+            // across redeliveries.
+            max_ack_pending: 1,
+            max_deliver: -1,
+            ..Default::default()
+        };
+        Ok(stream.get_or_create_consumer(&name, config).await?)
+    }
+
+    /// Runs until `shutdown` flips; the message in hand is finished first.
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+        let consumer = self.consumer().await?;
+        let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
+        // Whatever a previous owner committed but did not publish goes first.
+        self.relay_until_done(&mut publisher, &mut shutdown).await;
+        let mut messages = consumer.messages().await?;
+        let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
+        purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = purge.tick() => self.purge().await,
+                next = messages.next() => {
+                    let Some(next) = next else { break };
+                    let msg = match next {
+                        Ok(msg) => msg,
+                        Err(e) => {
+                            warn!(partition = %self.partition, error = %e, "pull failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue;
+                        }
+                    };
+                    self.process(msg, &mut publisher, &mut shutdown).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn process(
+        &self,
+        msg: jetstream::Message,
+        publisher: &mut Publisher,
+        shutdown: &mut watch::Receiver<bool>,
+    ) {
+        let (seq, delivered) = match msg.info() {
+            Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64),
+            Err(e) => {
+                error!(partition = %self.partition, error = %e, "message without metadata");
+                return;
+            }
+        };
+        let span = info_span!(
+            "storage.apply_batch",
+            partition = self.partition.0,
+            command_seq = seq,
+            delivered,
+            batch.size = tracing::field::Empty
+        );
+        let result = self
+            .handle(&msg, seq, delivered, publisher, shutdown)
+            .instrument(span)
+            .await;
+        match result {
+            Ok(handled) => {
+                failpoint::hit("after_publish");
+                if let Err(e) = msg.ack().await {
+                    // Redelivery is harmless: the sequence check skips it.
+                    warn!(partition = %self.partition, seq, error = %e, "ack failed");
+                }
+                failpoint::hit("after_ack");
+                if matches!(handled, Handled::Skipped) {
+                    self.stats.add(&self.stats.batches_skipped, 1);
+                }
+            }
+            Err(e) => {
+                let delay = self.backoff(delivered);
+                warn!(
+                    partition = %self.partition, seq, delivered, retry_in = ?delay,
+                    error = %e, "batch not applied; will retry"
+                );
+                self.stats.add(&self.stats.retries, 1);
+                let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+            }
+        }
+    }
+
+    fn backoff(&self, delivered: u64) -> Duration {
+        let base = self.settings.storage.retry_delay;
+        let factor = 1u32 << delivered.saturating_sub(1).min(6);
+        (base * factor).min(Duration::from_secs(30))
+    }
+
+    async fn handle(
+        &self,
+        msg: &jetstream::Message,
+        seq: u64,
+        delivered: u64,
+        publisher: &mut Publisher,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Handled, HandleError> {
+        let batch = match shelfsync_proto::CommandBatch::decode(msg.payload.as_ref()) {
+            Ok(b) => b,
+            Err(e) => {
+                let detail = format!("cannot decode CommandBatch: {e}");
+                return self
+                    .dead_letter(
+                        seq,
+                        reason::UNDECODABLE,
+                        detail,
+                        &msg.payload,
+                        publisher,
+                        shutdown,
+                    )
+                    .await;
+            }
+        };
+        tracing::Span::current().record("batch.size", batch.commands.len());
+        match self.apply_and_commit(seq, &batch).await {
+            Ok(Handled::Skipped) => {
+                // Published or not, a committed outbox is drained before the ack.
+                self.relay(publisher).await.map_err(HandleError::Relay)?;
+                Ok(Handled::Skipped)
+            }
+            Ok(Handled::Applied) => {
+                failpoint::hit("after_commit");
+                self.relay_until_done(publisher, shutdown).await;
+                Ok(Handled::Applied)
+            }
+            Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e.into()),
+            Err(e) => {
+                let detail = format!("failed {delivered} times: {e}");
+                self.dead_letter(
+                    seq,
+                    reason::FAILED,
+                    detail,
+                    &msg.payload,
+                    publisher,
+                    shutdown,
+                )
+                .await
+            }
+        }
+    }
+
+    async fn apply_and_commit(
+        &self,
+        seq: u64,
+        batch: &shelfsync_proto::CommandBatch,
+    ) -> Result<Handled, StoreError> {
+        // A fence means another writer advanced the partition: reload and
+        // look again (the sequence check then usually says "already done").
+        for _ in 0..3 {
+            let mut loaded = self.store.load(self.partition.0, batch).await?;
+            if seq <= loaded.seq {
+                debug!(partition = %self.partition, seq, applied = loaded.seq, "already applied");
+                return Ok(Handled::Skipped);
+            }
+            let limits = Limits {
+                partition: self.partition.0,
+                partitions: self.settings.storage.partitions,
+                max_record_bytes: self.settings.storage.max_record_bytes,
+                now_us: Self::now_us(),
+            };
+            let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
+            let outbox = self.outbox_entries(seq, outcome.changes, outcome.rejections.clone());
+            failpoint::hit("before_commit");
+            match self
+                .store
+                .commit(self.partition.0, loaded.seq, seq, &loaded.slots, &outbox)
+                .await?
+            {
+                Commit::Done => {
+                    let s = &self.stats;
+                    s.add(&s.batches, 1);
+                    s.add(&s.commands, batch.commands.len() as u64);
+                    s.add(&s.applied, outcome.applied);
+                    s.add(&s.unchanged, outcome.unchanged);
+                    s.add(&s.rejected, outcome.rejections.len() as u64);
+                    s.add(&s.sweeps, batch.sweeps.len() as u64);
+                    return Ok(Handled::Applied);
+                }
+                Commit::Fenced => {
+                    warn!(partition = %self.partition, seq, "partition sequence moved under us; reloading");
+                    self.stats.add(&self.stats.fenced, 1);
+                }
+            }
+        }
+        Err(StoreError::Corrupt {
+            key: format!("partition {}", self.partition),
+            detail: "fenced three times in a row: is another process writing this partition?"
+                .into(),
+        })
+    }
+
+    /// Commits a rejection carrying the raw message and advances the
+    /// sequence, so a poison message is recorded once and never blocks.
+    async fn dead_letter(
+        &self,
+        seq: u64,
+        why: &str,
+        detail: String,
+        raw: &[u8],
+        publisher: &mut Publisher,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Handled, HandleError> {
+        error!(partition = %self.partition, seq, reason = why, %detail, "dead-lettering command message");
+        let applied = self.store.applied_seq(self.partition.0).await?;
+        if seq <= applied {
+            return Ok(Handled::Skipped);
+        }
+        let rejection = Rejection {
+            reason: why.to_string(),
+            detail,
+            raw: raw[..raw.len().min(MAX_RAW)].to_vec(),
+            ..Default::default()
+        };
+        let outbox = self.outbox_entries(seq, Vec::new(), vec![rejection]);
+        let slots = Default::default();
+        match self
+            .store
+            .commit(self.partition.0, applied, seq, &slots, &outbox)
+            .await?
+        {
+            Commit::Done => {
+                self.stats.add(&self.stats.dead_lettered, 1);
+                self.relay_until_done(publisher, shutdown).await;
+                Ok(Handled::Applied)
+            }
+            Commit::Fenced => Err(HandleError::NoInfo("fenced while dead-lettering".into())),
+        }
+    }
+
+    /// Turns the changes and rejections of one command message into outbox
+    /// entries: per place, in order, at most 1000 per message and under the
+    /// payload limit, with ids that are the same on every replay.
+    fn outbox_entries(
+        &self,
+        seq: u64,
+        changes: Vec<Change>,
+        rejections: Vec<Rejection>,
+    ) -> Vec<OutboxEntry> {
+        let mut out = Vec::new();
+        let mut by_place: BTreeMap<(i64, i64), Vec<Change>> = BTreeMap::new();
+        for c in changes {
+            let k = c.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            by_place.entry(k).or_default().push(c);
+        }
+        let mut part = 0u32;
+        for ((b, p), list) in by_place {
+            for chunk in split_by_size(list, self.max_bytes) {
+                let batch = ChangeBatch {
+                    changes: chunk,
+                    partition: self.partition.0,
+                    command_seq: seq,
+                    part,
+                };
+                self.stats
+                    .add(&self.stats.changes, batch.changes.len() as u64);
+                out.push(OutboxEntry {
+                    subject: self.subjects.changes(b, p),
+                    msg_id: format!("chg:{}:{seq}:{part}", self.partition),
+                    payload: batch.encode_to_vec(),
+                    msg_type: msg_type::CHANGE_BATCH.into(),
+                    ..Default::default()
+                });
+                part += 1;
+            }
+        }
+        let mut by_place: BTreeMap<(i64, i64), Vec<Rejection>> = BTreeMap::new();
+        for r in rejections {
+            let k = r.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            by_place.entry(k).or_default().push(r);
+        }
+        let mut rpart = 0u32;
+        for ((b, p), list) in by_place {
+            for chunk in split_by_size(list, self.max_bytes) {
+                out.push(OutboxEntry {
+                    subject: self.subjects.rejects(b, p),
+                    msg_id: format!("rej:{}:{seq}:{rpart}", self.partition),
+                    payload: RejectionBatch { rejections: chunk }.encode_to_vec(),
+                    msg_type: msg_type::REJECTION_BATCH.into(),
+                    ..Default::default()
+                });
+                rpart += 1;
+            }
+        }
+        out
+    }
+
+    /// Publishes the outbox from its head and trims what JetStream acked.
+    async fn relay(&self, publisher: &mut Publisher) -> Result<usize, String> {
+        let mut total = 0;
+        loop {
+            let entries = self
+                .store
+                .outbox_peek(self.partition.0, RELAY_CHUNK)
+                .await
+                .map_err(|e| e.to_string())?;
+            if entries.is_empty() {
+                return Ok(total);
+            }
+            for e in &entries {
+                let mut headers = async_nats::HeaderMap::new();
+                if !e.traceparent.is_empty() {
+                    headers.insert("traceparent", e.traceparent.as_str());
+                }
+                publisher
+                    .publish(
+                        e.subject.clone(),
+                        e.msg_id.clone(),
+                        &e.msg_type,
+                        Some(headers),
+                        e.payload.clone().into(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            publisher.flush().await.map_err(|e| e.to_string())?;
+            failpoint::hit("after_outbox_publish");
+            self.store
+                .outbox_trim(self.partition.0, entries.len())
+                .await
+                .map_err(|e| e.to_string())?;
+            total += entries.len();
+            self.stats.add(&self.stats.published, entries.len() as u64);
+        }
+    }
+
+    /// Relays until the outbox is empty, backing off while NATS or Redis is
+    /// away; gives up only on shutdown (the outbox stays for the next run).
+    async fn relay_until_done(
+        &self,
+        publisher: &mut Publisher,
+        shutdown: &mut watch::Receiver<bool>,
+    ) {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.relay(publisher).await {
+                Ok(_) => return,
+                Err(e) => {
+                    warn!(partition = %self.partition, error = %e, retry_in = ?delay, "outbox relay failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn purge(&self) {
+        let cutoff = Self::now_us() - self.settings.storage.tombstone_ttl.as_micros() as i64;
+        match self
+            .store
+            .purge_tombstones(self.partition.0, cutoff, 1000)
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => {
+                debug!(partition = %self.partition, purged = n, "tombstones purged");
+                self.stats.add(&self.stats.purged, n as u64);
+            }
+            Err(e) => warn!(partition = %self.partition, error = %e, "tombstone purge failed"),
+        }
+    }
+}
+
+/// Splits items into runs of at most 1000 whose encoded size stays under
+/// `max_bytes` (an item larger than that goes alone).
+fn split_by_size<T: Message>(items: Vec<T>, max_bytes: usize) -> Vec<Vec<T>> {
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut size = 16;
+    for item in items {
+        let len = item.encoded_len() + 6;
+        if !cur.is_empty() && (size + len > max_bytes || cur.len() >= 1000) {
+            out.push(std::mem::take(&mut cur));
+            size = 16;
+        }
+        size += len;
+        cur.push(item);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}

@@ -1,0 +1,170 @@
+//! NATS JetStream plumbing shared by every service (DESIGN §2, §3).
+//!
+//! - [`Subjects`]: every subject and stream name, derived from one prefix;
+//! - [`Partition`] / [`partition_of`]: the stable command partitioning;
+//! - [`connect`] and [`provision`]: connection and idempotent stream set-up;
+//! - [`Publisher`]: deduplicated publishing with a bounded number of
+//!   in-flight acks;
+//! - [`CommandBatcher`]: batching by count (≤ 1000) and bytes (< max payload).
+//!
+//! It knows the wire types but no business rule, and never touches Redis.
+#![forbid(unsafe_code)]
+
+mod batch;
+mod publish;
+mod subjects;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use shelfsync_settings::{NatsSettings, Settings};
+
+pub use batch::{CommandBatcher, batch_overhead};
+pub use publish::{PublishFailed, Publisher};
+pub use subjects::{Partition, Subjects, partition_of};
+
+/// Header carrying the protobuf message type of a payload.
+pub const TYPE_HEADER: &str = "Shelfsync-Type";
+
+/// Room kept under the server's max payload for headers and batch framing.
+pub const PAYLOAD_HEADROOM: usize = 8 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("cannot connect to NATS at {url}: {source}")]
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
+    #[error("cannot read NATS credentials file {path}: {source}")]
+    Credentials {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot provision stream {stream}: {detail}")]
+    Provision { stream: String, detail: String },
+}
+
+/// Connects with the configured URLs and credentials. `retry` keeps trying
+/// on start-up (services); without it a down server is an immediate error
+/// (CLI).
+pub async fn connect(
+    cfg: &NatsSettings,
+    name: &str,
+    retry: bool,
+) -> Result<async_nats::Client, BusError> {
+    let mut opts = async_nats::ConnectOptions::new()
+        .name(name)
+        .request_timeout(Some(cfg.request_timeout))
+        .connection_timeout(Duration::from_secs(5));
+    if retry {
+        opts = opts.retry_on_initial_connect();
+    }
+    if let Some(path) = &cfg.credentials_file {
+        opts = opts
+            .credentials_file(path)
+            .await
+            .map_err(|source| BusError::Credentials {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    if let (Some(user), Some(password)) = (&cfg.user, &cfg.password) {
+        opts = opts.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(token) = &cfg.token {
+        opts = opts.token(token.clone());
+    }
+    let urls = cfg.urls();
+    opts.connect(urls.as_slice())
+        .await
+        .map_err(|source| BusError::Connect {
+            url: cfg.url.clone(),
+            source,
+        })
+}
+
+/// A JetStream context whose API calls time out as configured.
+pub fn jetstream(client: async_nats::Client, cfg: &NatsSettings) -> jetstream::Context {
+    jetstream::ContextBuilder::new()
+        .timeout(cfg.request_timeout)
+        .build(client)
+}
+
+/// The stream configurations the suite needs, in creation order.
+pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
+    let s = Subjects::new(&settings.nats.prefix);
+    let n = &settings.nats;
+    let base = |name: String, subjects: Vec<String>| stream::Config {
+        name,
+        subjects,
+        storage: stream::StorageType::File,
+        num_replicas: n.stream_replicas,
+        duplicate_window: n.duplicate_window,
+        ..Default::default()
+    };
+    vec![
+        // Commands are work: each partition has exactly one consumer (the
+        // storage worker owning it), and an acked command is gone.
+        stream::Config {
+            retention: stream::RetentionPolicy::WorkQueue,
+            description: Some("shelfsync commands, one subject per partition".into()),
+            metadata: [(
+                "shelfsync.partitions".to_string(),
+                settings.storage.partitions.to_string(),
+            )]
+            .into(),
+            ..base(s.cmd_stream(), vec![s.cmd_all()])
+        },
+        stream::Config {
+            retention: stream::RetentionPolicy::Limits,
+            max_age: n.changes_max_age,
+            description: Some("shelfsync changes: record before and after".into()),
+            ..base(s.changes_stream(), vec![s.changes_all()])
+        },
+        stream::Config {
+            retention: stream::RetentionPolicy::Limits,
+            max_age: n.changes_max_age,
+            description: Some("shelfsync rejected commands and feed items, with reasons".into()),
+            ..base(s.rejects_stream(), vec![s.rejects_all()])
+        },
+    ]
+}
+
+/// Creates the streams, or updates them to the configured shape. Safe to
+/// run any number of times. The partition count is recorded in the command
+/// stream's metadata and may not change once set: changing it would move
+/// places between partitions while commands are queued.
+pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(), BusError> {
+    for config in stream_configs(settings) {
+        let name = config.name.clone();
+        let err = |detail: String| BusError::Provision {
+            stream: name.clone(),
+            detail,
+        };
+        match js.get_stream(&name).await {
+            Ok(mut existing) => {
+                let info = existing.info().await.map_err(|e| err(e.to_string()))?;
+                if let (Some(have), Some(want)) = (
+                    info.config.metadata.get("shelfsync.partitions"),
+                    config.metadata.get("shelfsync.partitions"),
+                ) && have != want
+                {
+                    return Err(err(format!(
+                        "the stream was created with {have} partitions, settings say {want}; \
+                         the partition count is fixed"
+                    )));
+                }
+                js.update_stream(&config)
+                    .await
+                    .map_err(|e| err(e.to_string()))?;
+            }
+            Err(_) => {
+                js.create_stream(config.clone())
+                    .await
+                    .map_err(|e| err(e.to_string()))?;
+            }
+        }
+    }
+    Ok(())
+}

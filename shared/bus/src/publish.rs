@@ -1,0 +1,136 @@
+//! Deduplicated JetStream publishing with a bounded number of acks in flight.
+//!
+//! Every message carries a deterministic `Nats-Msg-Id`, so a retry after a
+//! lost ack is dropped by the stream's duplicate window instead of stored
+//! twice.
+
+use std::collections::VecDeque;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{self, publish::PublishAck};
+use bytes::Bytes;
+
+use crate::TYPE_HEADER;
+
+/// A publish that JetStream did not acknowledge.
+#[derive(Debug, thiserror::Error)]
+#[error("publish to {subject} (msg id {msg_id}) failed: {source}")]
+pub struct PublishFailed {
+    pub subject: String,
+    pub msg_id: String,
+    #[source]
+    pub source: async_nats::jetstream::context::PublishError,
+}
+
+impl PublishFailed {
+    /// True when the message is too large to ever succeed.
+    pub fn is_too_large(&self) -> bool {
+        matches!(self.source.kind(), PublishErrorKind::MaxPayloadExceeded)
+    }
+}
+
+struct InFlight {
+    subject: String,
+    msg_id: String,
+    ack: PublishAckFuture,
+}
+
+/// Publishes and keeps at most `max_inflight` acks outstanding; waiting for
+/// the oldest when full gives natural back-pressure.
+pub struct Publisher {
+    js: jetstream::Context,
+    max_inflight: usize,
+    inflight: VecDeque<InFlight>,
+    /// Acks received that JetStream flagged as duplicates (already stored).
+    pub duplicates: u64,
+    pub published: u64,
+}
+
+impl Publisher {
+    pub fn new(js: jetstream::Context, max_inflight: usize) -> Self {
+        Self {
+            js,
+            max_inflight: max_inflight.max(1),
+            inflight: VecDeque::new(),
+            duplicates: 0,
+            published: 0,
+        }
+    }
+
+    /// Sends one message; returns once it is on the wire and the in-flight
+    /// window has room. Errors of earlier messages surface here or in
+    /// [`Publisher::flush`].
+    pub async fn publish(
+        &mut self,
+        subject: String,
+        msg_id: String,
+        msg_type: &str,
+        headers: Option<HeaderMap>,
+        payload: Bytes,
+    ) -> Result<(), PublishFailed> {
+        while self.inflight.len() >= self.max_inflight {
+            self.await_oldest().await?;
+        }
+        let mut msg = PublishMessage::build().payload(payload).message_id(&msg_id);
+        if let Some(h) = headers {
+            msg = msg.headers(h);
+        }
+        msg = msg.header(TYPE_HEADER, msg_type);
+        let ack = self.js.send_publish(subject.clone(), msg).await;
+        match ack {
+            Ok(ack) => {
+                self.inflight.push_back(InFlight {
+                    subject,
+                    msg_id,
+                    ack,
+                });
+                Ok(())
+            }
+            Err(source) => Err(PublishFailed {
+                subject,
+                msg_id,
+                source,
+            }),
+        }
+    }
+
+    async fn await_oldest(&mut self) -> Result<Option<PublishAck>, PublishFailed> {
+        let Some(f) = self.inflight.pop_front() else {
+            return Ok(None);
+        };
+        match f.ack.await {
+            Ok(ack) => {
+                self.published += 1;
+                if ack.duplicate {
+                    self.duplicates += 1;
+                }
+                Ok(Some(ack))
+            }
+            Err(source) => Err(PublishFailed {
+                subject: f.subject,
+                msg_id: f.msg_id,
+                source,
+            }),
+        }
+    }
+
+    /// Waits for every outstanding ack; the first failure is returned (the
+    /// rest are still awaited so nothing is left dangling).
+    pub async fn flush(&mut self) -> Result<(), PublishFailed> {
+        let mut first = None;
+        while !self.inflight.is_empty() {
+            if let Err(e) = self.await_oldest().await
+                && first.is_none()
+            {
+                first = Some(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+}

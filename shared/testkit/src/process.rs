@@ -1,0 +1,204 @@
+//! One server child process (spawn, kill-on-drop, readiness polling) and the loopback ports it
+//! listens on. Server-specific knowledge (configs, probes) stays in `nats` and `redis`.
+
+use std::collections::hash_map::RandomState;
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, bail};
+
+/// How long a server gets to come up; generous for loaded CI machines and JetStream recovery.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// A single probe that hangs (half-open socket) must not eat the whole deadline.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Fresh-port attempts when another process grabbed the port between our probe and the bind.
+pub(crate) const START_ATTEMPTS: usize = 3;
+
+/// A server command line plus its running child, if any. Dropping it kills the child, so a
+/// panicking test never leaks servers.
+pub(crate) struct Proc {
+    program: PathBuf,
+    args: Vec<OsString>,
+    log_path: PathBuf,
+    child: Option<Child>,
+}
+
+impl Proc {
+    pub(crate) fn new(program: PathBuf, log_path: PathBuf) -> Proc {
+        Proc {
+            program,
+            args: Vec::new(),
+            log_path,
+            child: None,
+        }
+    }
+
+    pub(crate) fn set_args(&mut self, args: Vec<OsString>) {
+        self.args = args;
+    }
+
+    pub(crate) fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Spawns the child with stdout/stderr appended to the log. A fresh start truncates the log
+    /// so a failed attempt is diagnosed from its own output; a restart keeps the history.
+    pub(crate) fn spawn(&mut self, fresh_log: bool) -> anyhow::Result<()> {
+        self.kill();
+        if fresh_log {
+            File::create(&self.log_path)
+                .with_context(|| format!("creating {}", self.log_path.display()))?;
+        }
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .with_context(|| format!("opening {}", self.log_path.display()))?;
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {}", self.program.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL, then reap so the port and files are released before we return.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Errors mean it already exited; reaping below is all that is left to do.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Polls `probe` until it succeeds, the child exits, or the deadline passes. On failure the
+    /// child is killed and the error carries the probe's last complaint and the log tail.
+    pub(crate) async fn wait_ready<F, Fut>(
+        &mut self,
+        what: &str,
+        mut probe: F,
+    ) -> anyhow::Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = anyhow::Result<()>>,
+    {
+        let start = Instant::now();
+        let mut last_err = None;
+        while start.elapsed() < READY_TIMEOUT {
+            let exited = match self.child.as_mut() {
+                Some(child) => child.try_wait()?,
+                None => bail!("{what} is not running"),
+            };
+            if let Some(status) = exited {
+                self.child = None;
+                bail!(
+                    "{what} exited with {status} while starting; log:\n{}",
+                    self.log_tail()
+                );
+            }
+            match tokio::time::timeout(PROBE_TIMEOUT, probe()).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) => last_err = Some(e),
+                Err(_) => last_err = Some(anyhow::anyhow!("probe timed out")),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.kill();
+        let last = last_err.map(|e| format!("{e:#}")).unwrap_or_default();
+        bail!(
+            "{what} not ready after {READY_TIMEOUT:?} (last probe: {last}); log:\n{}",
+            self.log_tail()
+        )
+    }
+
+    /// Whether the last attempt died because its port was taken, the one failure worth retrying.
+    pub(crate) fn port_was_taken(&self) -> bool {
+        std::fs::read_to_string(&self.log_path)
+            .map(|log| log.to_ascii_lowercase().contains("address already in use"))
+            .unwrap_or(false)
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `N` distinct free loopback ports. All listeners are held until every port is chosen, so the
+/// OS cannot hand out the same port twice; the race with other processes after the drop is
+/// accepted and covered by [`START_ATTEMPTS`].
+pub(crate) fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
+    let mut listeners = Vec::with_capacity(N);
+    let mut ports = [0; N];
+    for port in &mut ports {
+        let listener = TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?;
+        *port = listener.local_addr()?.port();
+        listeners.push(listener);
+    }
+    Ok(ports)
+}
+
+/// Random enough for unique names: std's per-process random hash keys over pid, time and a
+/// counter, which saves a dependency on `rand`.
+pub(crate) fn random_u64() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    hasher.write_u128(nanos.as_nanos());
+    hasher.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_taken_port_fails_fast_and_is_flagged_for_retry() -> anyhow::Result<()> {
+        let held = TcpListener::bind("127.0.0.1:0")?;
+        let port = held.local_addr()?.port().to_string();
+        let dir = tempfile::tempdir()?;
+        let mut proc = Proc::new(crate::redis_server_bin()?, dir.path().join("redis.log"));
+        proc.set_args(
+            ["--port", &port, "--bind", "127.0.0.1", "--save", ""]
+                .map(OsString::from)
+                .into(),
+        );
+        proc.spawn(true)?;
+        let started = Instant::now();
+        let err = proc
+            .wait_ready("redis", || async { anyhow::bail!("not ours") })
+            .await;
+        assert!(format!("{:#}", err.err().context("should fail")?).contains("exited"));
+        assert!(
+            started.elapsed() < READY_TIMEOUT,
+            "should notice the exit, not time out"
+        );
+        assert!(proc.port_was_taken());
+        Ok(())
+    }
+}
