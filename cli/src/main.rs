@@ -1,1 +1,19 @@
-fn main() {}
+//! `shelfsync`, the operator CLI. All logic lives in the `shelfsync_cli` library.
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = shelfsync_cli::Cli::parse();
+    match shelfsync_cli::run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if shelfsync_cli::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

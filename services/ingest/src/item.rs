@@ -143,7 +143,7 @@ type Invalid = (Reason, String);
 /// Validates one raw item. `place_id` is the enclosing place (nested format);
 /// `None` means the item carries its own `place_id` and `brand_id` (NDJSON).
 pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result<Item, Reject> {
-    let reject = |(reason, detail): Invalid| Reject::new(reason, detail, raw.as_bytes());
+    let reject = |(reason, detail): Invalid| Reject { place_id, ..Reject::new(reason, detail, raw.as_bytes()) };
     if raw.len() > rules.max_item_bytes {
         let detail = format!("item is {} bytes, the limit is {}", raw.len(), rules.max_item_bytes);
         return Err(reject((Reason::TooLarge, detail)));
@@ -155,56 +155,57 @@ pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result
     let fields: RawFields = serde_json::from_str(raw)
         .map_err(|e| reject((Reason::Malformed, format!("item is not valid JSON: {e}"))))?;
 
-    let id = match fields.id.map(|v| serde_json::from_str::<String>(v.get())) {
-        Some(Ok(id)) if !id.is_empty() => id,
-        Some(Ok(_)) => return Err(reject((Reason::MissingId, "`id` is empty".into()))),
-        None => return Err(reject((Reason::MissingId, "no `id`".into()))),
-        Some(Err(_)) => {
-            let detail = format!("`id` must be a string, got {}", kind_of(fields.id_text()));
-            return Err(reject((Reason::MissingId, detail)));
-        }
+    // Both parts of the key are worked out before failing, so that a
+    // rejection carries as much of the key as the item had.
+    let place = match place_id {
+        Some(p) => Ok(p),
+        None => own_place(&fields, rules.brand_id),
     };
-    let keyed = |place: Option<i64>, e: Invalid| {
-        let mut r = reject(e);
-        r.place_id = place;
-        r.id = Some(id.clone());
-        r
+    let id = own_id(&fields);
+    let (place_id, id) = match (place, id) {
+        (Ok(place_id), Ok(id)) => (place_id, id),
+        (Ok(place_id), Err(e)) => return Err(Reject { place_id: Some(place_id), ..reject(e) }),
+        (Err(e), id) => return Err(Reject { id: id.ok(), ..reject(e) }),
     };
-    if id.len() > MAX_ID_BYTES {
-        let detail = format!("`id` is {} bytes, the limit is {MAX_ID_BYTES}", id.len());
-        return Err(keyed(place_id, (Reason::InvalidValue, detail)));
+    let mut item = Item { place_id, id, product: Product::default(), missing: Vec::new() };
+    if let Err(e) = fill_product(&fields, rules.owned, &mut item) {
+        return Err(Reject { place_id: Some(place_id), id: Some(item.id), ..reject(e) });
     }
-    let place_id = match place_id {
-        Some(p) => p,
-        None => {
-            if let Some(brand) = fields.brand_id {
-                let brand = int("brand_id", brand).map_err(|e| keyed(None, e))?;
-                if brand != rules.brand_id {
-                    let detail = format!("brand_id {brand}, the partner's brand is {}", rules.brand_id);
-                    return Err(keyed(None, (Reason::BrandMismatch, detail)));
-                }
-            }
-            match fields.place_id {
-                Some(p) => int("place_id", p).map_err(|e| keyed(None, e))?,
-                None => return Err(keyed(None, (Reason::MissingPlace, "no `place_id`".into()))),
-            }
-        }
-    };
-    let mut item = Item { place_id, id: id.clone(), product: Product::default(), missing: Vec::new() };
-    fill_product(&fields, rules.owned, &mut item).map_err(|e| keyed(Some(place_id), e))?;
     Ok(item)
 }
 
-impl RawFields<'_> {
-    fn id_text(&self) -> &str {
-        self.id.map_or("", |v| v.get())
+fn own_id(fields: &RawFields) -> Result<String, Invalid> {
+    let Some(raw) = fields.id else { return Err((Reason::MissingId, "no `id`".into())) };
+    match serde_json::from_str::<String>(raw.get()) {
+        Ok(id) if id.is_empty() => Err((Reason::MissingId, "`id` is empty".into())),
+        Ok(id) if id.len() > MAX_ID_BYTES => {
+            Err((Reason::InvalidValue, format!("`id` is {} bytes, the limit is {MAX_ID_BYTES}", id.len())))
+        }
+        Ok(id) => Ok(id),
+        Err(_) => Err((Reason::MissingId, format!("`id` must be a string, got {}", kind_of(raw.get())))),
     }
 }
 
-fn fill_product(f: &RawFields, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
+/// The place of an NDJSON line, after checking its brand (when it has one:
+/// the partner's configured brand is authoritative).
+fn own_place(fields: &RawFields, brand_id: i64) -> Result<i64, Invalid> {
+    if let Some(brand) = fields.brand_id {
+        let brand = int("brand_id", brand)?;
+        if brand != brand_id {
+            let detail = format!("brand_id {brand}, the partner's brand is {brand_id}");
+            return Err((Reason::BrandMismatch, detail));
+        }
+    }
+    match fields.place_id {
+        Some(p) => int("place_id", p),
+        None => Err((Reason::MissingPlace, "no `place_id`".into())),
+    }
+}
+
+fn fill_product<'a>(f: &RawFields<'a>, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
     use product_field as pf;
     let p = &mut item.product;
-    let mut present = |field: u32, raw: Option<&RawValue>| -> Option<&RawValue> {
+    let mut present = |field: u32, raw: Option<&'a RawValue>| -> Option<&'a RawValue> {
         if !owned.contains(field) {
             return None;
         }
@@ -235,7 +236,7 @@ fn fill_product(f: &RawFields, owned: OwnedFields, item: &mut Item) -> Result<()
 
 /// A JSON integer in i64. A float (even `2.0`) is the wrong type: prices and
 /// stock are integers in minor units, and guessing a rounding would be worse.
-fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
+pub(crate) fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
     let text = raw.get();
     if let Ok(n) = text.parse::<i64>() {
         return Ok(n);
@@ -247,7 +248,9 @@ fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
     }
     if text.contains(['.', 'e', 'E']) {
         return match text.parse::<f64>() {
-            Ok(x) if x.fract() == 0.0 && (x >= 9.3e18 || x <= -9.3e18) => Err(out_of_range()),
+            Ok(x) if x.fract() == 0.0 && (x >= i64::MAX as f64 || x < i64::MIN as f64) => {
+                Err(out_of_range())
+            }
             _ => Err(wrong()),
         };
     }

@@ -73,11 +73,12 @@ impl Publisher {
         while self.inflight.len() >= self.max_inflight {
             self.await_oldest().await?;
         }
-        let mut msg = PublishMessage::build().payload(payload).message_id(&msg_id);
-        if let Some(h) = headers {
-            msg = msg.headers(h);
-        }
-        msg = msg.header(TYPE_HEADER, msg_type);
+        // `headers()` replaces the whole map: set it first, then the id.
+        let msg = PublishMessage::build()
+            .payload(payload)
+            .headers(headers.unwrap_or_default())
+            .message_id(&msg_id)
+            .header(TYPE_HEADER, msg_type);
         let ack = self.js.send_publish(subject.clone(), msg).await;
         match ack {
             Ok(ack) => {

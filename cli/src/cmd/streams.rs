@@ -1,0 +1,67 @@
+//! The suite's streams as `setup` and `stats` show them.
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, context::GetStreamErrorKind, stream::RetentionPolicy};
+use serde::Serialize;
+use shelfsync_bus::Subjects;
+
+/// The streams the CLI knows, by role, in creation order.
+pub fn names(subjects: &Subjects) -> [(&'static str, String); 3] {
+    [
+        ("cmd", subjects.cmd_stream()),
+        ("changes", subjects.changes_stream()),
+        ("rejects", subjects.rejects_stream()),
+    ]
+}
+
+/// A stream's configuration and state, as of one `STREAM.INFO`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamState {
+    pub name: String,
+    pub subjects: Vec<String>,
+    pub retention: &'static str,
+    /// Messages held now.
+    pub messages: u64,
+    /// Bytes held now.
+    pub bytes: u64,
+    pub first_seq: u64,
+    /// Sequence of the last message ever stored: messages ever published,
+    /// whatever was acked, aged out or deleted since.
+    pub last_seq: u64,
+    pub consumers: usize,
+}
+
+/// The stream's state, or `None` when it does not exist.
+pub async fn state(js: &jetstream::Context, name: &str) -> anyhow::Result<Option<StreamState>> {
+    let mut stream = match js.get_stream(name).await {
+        Ok(s) => s,
+        Err(e) if is_not_found(&e) => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot look up stream {name}")),
+    };
+    let info = stream
+        .info()
+        .await
+        .with_context(|| format!("cannot read the state of stream {name}"))?;
+    Ok(Some(StreamState {
+        name: name.to_string(),
+        subjects: info.config.subjects.clone(),
+        retention: match info.config.retention {
+            RetentionPolicy::Limits => "limits",
+            RetentionPolicy::Interest => "interest",
+            RetentionPolicy::WorkQueue => "workqueue",
+        },
+        messages: info.state.messages,
+        bytes: info.state.bytes,
+        first_seq: info.state.first_sequence,
+        last_seq: info.state.last_sequence,
+        consumers: info.state.consumer_count,
+    }))
+}
+
+fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        e.kind(),
+        GetStreamErrorKind::JetStream(err)
+            if err.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}

@@ -1,0 +1,265 @@
+//! Storage against real nats-server and redis-server: change detection,
+//! generations and sweeps, CAS, tombstones, poison messages.
+
+use std::time::Duration;
+
+use prost::Message;
+use shelfsync_proto::{ChangeKind, Command, CommandKind, Product, RecordKey, RecordState};
+use shelfsync_testkit::TestEnv;
+use shelfsync_tests::*;
+
+const BRAND: i64 = 7;
+
+async fn start() -> (TestEnv, Harness, InProcessStorage) {
+    let env = TestEnv::start().await.expect("servers");
+    let settings = settings_for(&env);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let storage = InProcessStorage::start(settings).await.expect("storage");
+    (env, h, storage)
+}
+
+fn full_import(places: &[i64], items: usize, generation: i64, price_of: impl Fn(i64, usize) -> i64) -> Vec<Command> {
+    let mut out = Vec::new();
+    for &place in places {
+        for i in 0..items {
+            let p = product(&format!("item {i}"), price_of(place, i), (i % 5) as i64);
+            out.push(patch(BRAND, place, &format!("sku-{i}"), &p, generation));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn identical_reimport_emits_nothing_and_churn_emits_exactly_the_changed() {
+    let (_env, h, _storage) = start().await;
+    let places = [1, 2, 3];
+    let g1 = now_us();
+    h.send(full_import(&places, 300, g1, |_, i| 1000 + i as i64)).await.unwrap();
+    for p in places {
+        h.send_sweep(BRAND, p, g1).await.unwrap();
+    }
+    h.wait_settled().await;
+    let first = h.changes().await.unwrap();
+    assert_eq!(first.len(), 900);
+    assert!(first.iter().all(|c| c.kind == ChangeKind::Created as i32));
+    let before = h.get(BRAND, 2, "sku-7").await.unwrap().unwrap();
+
+    // Identical re-import: generations move, nothing else does.
+    let g2 = g1 + 1_000_000;
+    h.send(full_import(&places, 300, g2, |_, i| 1000 + i as i64)).await.unwrap();
+    for p in places {
+        h.send_sweep(BRAND, p, g2).await.unwrap();
+    }
+    h.wait_settled().await;
+    assert_eq!(h.changes().await.unwrap().len(), 900, "identical re-import emitted changes");
+    let after = h.get(BRAND, 2, "sku-7").await.unwrap().unwrap();
+    assert_eq!(after.updated_at, before.updated_at, "generation-only update bumped updated_at");
+    assert_eq!(after.generation, g2);
+    assert_eq!(before.generation, g1);
+
+    // 1% churn: 9 of 900 records get a new price.
+    let churned = |place: i64, i: usize| i % 100 == 7 && place != 0;
+    let g3 = g2 + 1_000_000;
+    h.send(full_import(&places, 300, g3, |place, i| {
+        if churned(place, i) { 5000 + i as i64 } else { 1000 + i as i64 }
+    }))
+    .await
+    .unwrap();
+    for p in places {
+        h.send_sweep(BRAND, p, g3).await.unwrap();
+    }
+    h.wait_settled().await;
+    let all = h.changes().await.unwrap();
+    let new = &all[900..];
+    assert_eq!(new.len(), 9, "1% churn must emit exactly the changed records");
+    for c in new {
+        assert_eq!(c.kind, ChangeKind::Updated as i32);
+        let key = c.key.as_ref().unwrap();
+        let i: usize = key.product_id.trim_start_matches("sku-").parse().unwrap();
+        assert!(churned(key.place_id, i));
+        let b = decode_product(&c.before.as_ref().unwrap().data);
+        let a = decode_product(&c.after.as_ref().unwrap().data);
+        assert_eq!(b.price, Some(1000 + i as i64));
+        assert_eq!(a.price, Some(5000 + i as i64));
+        assert_eq!(c.changed_data_fields, vec![shelfsync_proto::product_field::PRICE]);
+        assert!(c.after.as_ref().unwrap().updated_at > c.before.as_ref().unwrap().updated_at);
+    }
+}
+
+#[tokio::test]
+async fn price_and_stock_feeds_glue_and_zero_is_a_value() {
+    let (_env, h, _storage) = start().await;
+    let content = Product { title: Some("Roses".into()), category: Some("roses".into()), ..Default::default() };
+    let price = Product { price: Some(0), old_price: Some(100), ..Default::default() };
+    let stock = Product { stock: Some(0), ..Default::default() };
+    h.send(vec![patch(BRAND, 1, "a", &content, 0)]).await.unwrap();
+    h.send(vec![patch(BRAND, 1, "a", &price, 0)]).await.unwrap();
+    h.send(vec![patch(BRAND, 1, "a", &stock, 0)]).await.unwrap();
+    h.wait_settled().await;
+    let r = h.get(BRAND, 1, "a").await.unwrap().unwrap();
+    let p = decode_product(&r.data);
+    assert_eq!(p.title.as_deref(), Some("Roses"));
+    assert_eq!(p.price, Some(0));
+    assert_eq!(p.old_price, Some(100));
+    assert_eq!(p.stock, Some(0));
+    let changes = h.changes().await.unwrap();
+    assert_eq!(changes.len(), 3);
+    // The stock feed did not touch the price fields.
+    assert_eq!(changes[2].changed_data_fields, vec![shelfsync_proto::product_field::STOCK]);
+}
+
+#[tokio::test]
+async fn sweep_marks_absent_and_reappearance_restores() {
+    let (_env, h, _storage) = start().await;
+    let g1 = now_us();
+    h.send(vec![
+        patch(BRAND, 5, "stays", &product("s", 10, 1), g1),
+        patch(BRAND, 5, "goes", &product("g", 20, 1), g1),
+    ])
+    .await
+    .unwrap();
+    h.send_sweep(BRAND, 5, g1).await.unwrap();
+    let g2 = g1 + 10;
+    h.send(vec![patch(BRAND, 5, "stays", &product("s", 10, 1), g2)]).await.unwrap();
+    // A delta arriving during the import can neither save the vanished record
+    // nor protect it from the sweep.
+    h.send(vec![patch(BRAND, 5, "goes", &Product { price: Some(21), ..Default::default() }, 0)])
+        .await
+        .unwrap();
+    h.send_sweep(BRAND, 5, g2).await.unwrap();
+    h.wait_settled().await;
+    let goes = h.get(BRAND, 5, "goes").await.unwrap().unwrap();
+    assert!(goes.absent, "missing from the full import: swept");
+    assert!(!h.get(BRAND, 5, "stays").await.unwrap().unwrap().absent);
+    let changes = h.changes().await.unwrap();
+    // 2 created, 1 price update of "goes", 1 sweep of "goes".
+    assert_eq!(changes.len(), 4, "{changes:?}");
+    let sweep = changes.last().unwrap();
+    assert!(sweep.after.as_ref().unwrap().absent && !sweep.before.as_ref().unwrap().absent);
+
+    // The next full import carries it again: present, one change.
+    let g3 = g2 + 10;
+    h.send(vec![
+        patch(BRAND, 5, "stays", &product("s", 10, 1), g3),
+        patch(BRAND, 5, "goes", &product("g", 21, 1), g3),
+    ])
+    .await
+    .unwrap();
+    h.send_sweep(BRAND, 5, g3).await.unwrap();
+    h.wait_settled().await;
+    assert!(!h.get(BRAND, 5, "goes").await.unwrap().unwrap().absent);
+    assert_eq!(h.changes().await.unwrap().len(), 5);
+}
+
+#[tokio::test]
+async fn cas_applies_when_current_and_rejects_when_stale() {
+    let (_env, h, _storage) = start().await;
+    h.send(vec![patch(BRAND, 1, "x", &product("x", 100, 1), 0)]).await.unwrap();
+    h.wait_settled().await;
+    let seen = h.get(BRAND, 1, "x").await.unwrap().unwrap().updated_at;
+    h.send(vec![patch(BRAND, 1, "x", &Product { price: Some(200), ..Default::default() }, 0)])
+        .await
+        .unwrap();
+    h.wait_settled().await;
+
+    let hide = |expected: i64| Command {
+        key: Some(RecordKey::new(BRAND, 1, "x")),
+        kind: CommandKind::Patch as i32,
+        state: RecordState { hidden: Some(true), ..Default::default() }.encode_to_vec(),
+        expected_updated_at: Some(expected),
+        ..Default::default()
+    };
+    // Stale: the record moved on since the validator looked.
+    h.send(vec![hide(seen)]).await.unwrap();
+    h.wait_settled().await;
+    let r = h.get(BRAND, 1, "x").await.unwrap().unwrap();
+    assert!(r.state.is_empty(), "a stale CAS must change nothing");
+    let rejections = h.rejections().await.unwrap();
+    assert_eq!(rejections.len(), 1);
+    assert_eq!(rejections[0].reason, "conflict");
+    assert_eq!(h.changes().await.unwrap().len(), 2);
+
+    // Current: applies.
+    h.send(vec![hide(r.updated_at)]).await.unwrap();
+    h.wait_settled().await;
+    let r2 = h.get(BRAND, 1, "x").await.unwrap().unwrap();
+    assert_eq!(RecordState::decode(r2.state.as_slice()).unwrap().hidden, Some(true));
+    let changes = h.changes().await.unwrap();
+    assert_eq!(changes.len(), 3);
+    assert_eq!(changes[2].changed_state_fields, vec![shelfsync_proto::state_field::HIDDEN]);
+}
+
+#[tokio::test]
+async fn delete_leaves_a_tombstone_that_is_purged_after_the_ttl() {
+    let env = TestEnv::start().await.unwrap();
+    let mut settings = settings_for(&env);
+    settings.storage.tombstone_ttl = Duration::from_secs(1);
+    settings.storage.purge_interval = Duration::from_millis(200);
+    let h = Harness::connect(settings.clone()).await.unwrap();
+    let _storage = InProcessStorage::start(settings).await.unwrap();
+    h.send(vec![patch(BRAND, 1, "d", &product("d", 1, 1), 0)]).await.unwrap();
+    h.send(vec![Command {
+        key: Some(RecordKey::new(BRAND, 1, "d")),
+        kind: CommandKind::Delete as i32,
+        ..Default::default()
+    }])
+    .await
+    .unwrap();
+    h.wait_settled().await;
+    let changes = h.changes().await.unwrap();
+    assert_eq!(changes.len(), 2);
+    assert_eq!(changes[1].kind, ChangeKind::Deleted as i32);
+    let tomb = h.get(BRAND, 1, "d").await.unwrap();
+    assert!(tomb.is_some_and(|r| r.deleted), "tombstone kept until the TTL");
+    eventually(Duration::from_secs(10), "tombstone purged", || async {
+        h.get(BRAND, 1, "d").await.unwrap().is_none()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn poison_messages_are_dead_lettered_without_blocking_the_partition() {
+    let (_env, h, storage) = start().await;
+    let p = h.partition(BRAND, 1);
+    // Not a CommandBatch at all.
+    h.send_raw(p, b"\xff\xff\xff not protobuf".to_vec()).await.unwrap();
+    // A batch mixing good commands with a malformed one and an oversized one.
+    let mut bad = patch(BRAND, 1, "bad", &product("b", 1, 1), 0);
+    bad.data = vec![0xff, 0xff];
+    let mut huge = patch(BRAND, 1, "huge", &product("h", 1, 1), 0);
+    huge.data = Product { description: Some("x".repeat(300 * 1024)), ..Default::default() }.encode_to_vec();
+    h.send(vec![
+        patch(BRAND, 1, "good-1", &product("g", 1, 1), 0),
+        bad,
+        huge,
+        patch(BRAND, 1, "good-2", &product("g", 2, 1), 0),
+    ])
+    .await
+    .unwrap();
+    h.wait_settled().await;
+    assert!(h.get(BRAND, 1, "good-1").await.unwrap().is_some());
+    assert!(h.get(BRAND, 1, "good-2").await.unwrap().is_some());
+    assert!(h.get(BRAND, 1, "bad").await.unwrap().is_none());
+    assert!(h.get(BRAND, 1, "huge").await.unwrap().is_none());
+    let mut reasons: Vec<String> = h.rejections().await.unwrap().into_iter().map(|r| r.reason).collect();
+    reasons.sort();
+    assert_eq!(reasons, ["malformed", "too_large", "undecodable"]);
+    assert_eq!(shelfsync_storage::Stats::get(&storage.stats.dead_lettered), 1);
+    assert_eq!(h.changes().await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn graceful_stop_and_restart_resume_where_they_left() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = settings_for(&env);
+    let h = Harness::connect(settings.clone()).await.unwrap();
+    let storage = InProcessStorage::start(settings.clone()).await.unwrap();
+    h.send(full_import(&[1, 2], 100, 0, |_, i| i as i64)).await.unwrap();
+    h.wait_settled().await;
+    storage.stop().await.unwrap();
+    // Commands queue while storage is down.
+    h.send(full_import(&[1, 2], 100, 0, |_, i| 1 + i as i64)).await.unwrap();
+    let _storage = InProcessStorage::start(settings).await.unwrap();
+    h.wait_settled().await;
+    assert_eq!(h.changes().await.unwrap().len(), 400);
+}
