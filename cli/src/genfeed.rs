@@ -173,10 +173,10 @@ pub fn base_item(spec: &FeedSpec, place: u32, n: u32) -> FeedItem {
     let price = (10 + (h(S_PRICE) % 4991) as i64) * 100;
     // Half the items are on sale: the old price is 10–60% above.
     let old = h(S_OLD_PRICE);
-    let old_price = (old % 2 == 0).then(|| price + price * (10 + (old >> 1) % 51) as i64 / 100);
+    let old_price = old.is_multiple_of(2).then(|| price + price * (10 + (old >> 1) % 51) as i64 / 100);
     // One item in ten is out of stock.
     let s = h(S_STOCK);
-    let stock = if s % 10 == 0 { 0 } else { 1 + (s >> 4) % 50 } as i64;
+    let stock = if s.is_multiple_of(10) { 0 } else { 1 + (s >> 4) % 50 } as i64;
     let images = (0..1 + h(S_IMAGES) % 3)
         .map(|i| format!("https://cdn.example/{}/{place}/{n}-{i}.jpg", spec.brand_id))
         .collect();
@@ -209,7 +209,7 @@ fn churn(spec: &FeedSpec, place: u32, n: u32, item: &mut FeedItem) {
     // A step of 1–50 roubles, down when the price allows, up otherwise;
     // never zero, so the price always differs.
     let step = (1 + (h >> 1) % 50) as i64 * 100;
-    let new_price = if h % 2 == 0 && item.price > step {
+    let new_price = if h.is_multiple_of(2) && item.price > step {
         item.price - step
     } else {
         item.price + step
@@ -419,7 +419,7 @@ mod tests {
         // Items look like the §8 example and are about 200 bytes.
         let per_item = sb.bytes / sb.items;
         assert!((150..=320).contains(&per_item), "{per_item} bytes per item");
-        let categories: BTreeSet<_> = ia.values().map(|i| i["category"].clone()).collect();
+        let categories: BTreeSet<String> = ia.values().map(|i| i["category"].to_string()).collect();
         assert!(categories.len() > 10, "{categories:?}");
         let mut zero_stock = 0;
         let mut on_sale = 0;

@@ -48,6 +48,7 @@ pub enum Command {
     /// Create or update the streams (idempotent) and show what exists.
     Setup(cmd::setup::Args),
     /// Run one import of a partner's feed from a file or URL.
+    #[cfg(feature = "import")]
     Import(cmd::import::Args),
     /// Show one record as JSON, data and state decoded.
     Get(cmd::get::Args),
@@ -67,6 +68,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::GenFeed(args) => cmd::gen_feed::run(args),
         Command::Setup(args) => cmd::setup::run(&ctx()?, args).await,
+        #[cfg(feature = "import")]
         Command::Import(args) => cmd::import::run(&ctx()?, args).await,
         Command::Get(args) => cmd::get::run(&ctx()?, args).await,
         Command::Tail(args) => cmd::tail::run(&ctx()?, args).await,

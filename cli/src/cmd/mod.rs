@@ -4,6 +4,7 @@
 
 pub mod gen_feed;
 pub mod get;
+#[cfg(feature = "import")]
 pub mod import;
 pub mod setup;
 pub mod stats;

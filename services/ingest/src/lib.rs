@@ -1,5 +1,30 @@
-//! Ingest: streams partner feeds into per-record PATCH commands (DESIGN §2, §8).
+//! Ingest: turns partner feeds into per-record PATCH commands (DESIGN §2, §8).
+//!
+//! - [`feed`]: the streaming parser of the feed format (nested object or
+//!   NDJSON), memory bounded independently of the feed size; pure;
+//! - [`item`]: validation of one item with stable reasons, and its mapping
+//!   to a PATCH of only the fields the partner owns; pure;
+//! - `import`: one import end to end ([`Importer`]): parser thread → bounded
+//!   channel → batched, deduplicated publishing → sweeps after a good full
+//!   import → [`ImportReport`];
+//! - `source`: files, HTTP(S) with ETag / If-Modified-Since, pushed streams;
+//! - `state`: ingest's own Redis keys (HTTP validators, last reports);
+//! - `report`: the report, the progress counts and [`ImportError`];
+//! - `app`: the service ([`App`]): poll loops and the push / probe endpoints.
+//!
+//! It publishes commands, sweeps and rejections; it never reads or writes
+//! records (storage owns them) and decides no business rule (validators do).
 #![forbid(unsafe_code)]
 
+mod app;
 pub mod feed;
+mod import;
 pub mod item;
+mod report;
+mod source;
+mod state;
+
+pub use app::{App, shutdown_signal};
+pub use import::Importer;
+pub use report::{ImportError, ImportReport, ImportStatus, Progress};
+pub use source::{Source, Validators};

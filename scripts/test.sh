@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs every test of the suite: unit and property tests, and the
+# cross-service tests that start their own nats-server and redis-server on
+# free loopback ports (never the ones on 4222/6379).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NATS=$(scripts/install-deps.sh)
+export SHELFSYNC_NATS_SERVER="$NATS"
+
+# Binaries first: crash tests run the real shelfsync-storage.
+cargo build --workspace --bins
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+else
+  echo "[test] cargo-nextest not found; using cargo test" >&2
+  cargo test --workspace --no-fail-fast
+fi
+if [ -x scripts/validate-deploy.sh ]; then scripts/validate-deploy.sh; fi

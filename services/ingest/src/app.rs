@@ -1,0 +1,197 @@
+//! The ingest service: one poll loop per partner with a `source` and a
+//! `poll_interval`, and an HTTP server for pushed feeds and probes. At most
+//! one import per partner runs at a time, whoever started it.
+
+use std::collections::HashMap;
+use std::future::{Future, IntoFuture};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use serde_json::json;
+use shelfsync_settings::{PartnerSettings, Settings};
+use tokio::sync::{Mutex, watch};
+use tokio::task::JoinSet;
+use tokio_util::io::StreamReader;
+use tracing::{debug, info, warn};
+
+use crate::import::Importer;
+use crate::report::ImportError;
+use crate::source::Source;
+
+/// How long running imports may take to finish once shutdown is asked.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// One lock per partner: an import holds it from start to report.
+type Locks = Arc<HashMap<String, Arc<Mutex<()>>>>;
+
+#[derive(Clone)]
+struct AppState {
+    importer: Arc<Importer>,
+    settings: Arc<Settings>,
+    locks: Locks,
+}
+
+pub struct App {
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+}
+
+impl App {
+    /// Connects (NATS in the background, Redis now) and binds the listener.
+    pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        let settings = Arc::new(settings);
+        let importer = Arc::new(Importer::connect_with(settings.clone(), true).await?);
+        let listen = &settings.ingest.listen;
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+        let addr = listener.local_addr()?;
+        let locks = settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
+        Ok(App { state: AppState { importer, settings, locks: Arc::new(locks) }, listener, addr })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves and polls until `shutdown` completes, then lets running
+    /// imports finish (up to a grace period).
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let (stop, stopped) = watch::channel(false);
+        let mut pollers = JoinSet::new();
+        for partner in &self.state.settings.partners {
+            if let (Some(_), Some(_)) = (&partner.source, partner.poll_interval) {
+                pollers.spawn(poll_loop(self.state.clone(), partner.clone(), stopped.clone()));
+            }
+        }
+        let router = axum::Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/v1/partners/{name}/feed", post(push))
+            .with_state(self.state.clone());
+        let mut wait = stopped.clone();
+        let server = axum::serve(self.listener, router)
+            .with_graceful_shutdown(async move { _ = wait.wait_for(|s| *s).await })
+            .into_future();
+        let mut server = tokio::spawn(server);
+        info!(addr = %self.addr, pollers = pollers.len(), "ingest running");
+        tokio::select! {
+            () = shutdown => info!("shutting down"),
+            result = &mut server => {
+                _ = stop.send(true);
+                return Err(anyhow::anyhow!("the HTTP server stopped: {:?}", result));
+            }
+        }
+        _ = stop.send(true);
+        let drain = async {
+            _ = server.await;
+            while pollers.join_next().await.is_some() {}
+        };
+        if tokio::time::timeout(SHUTDOWN_GRACE, drain).await.is_err() {
+            warn!(grace = ?SHUTDOWN_GRACE, "imports still running at shutdown were cut off (nothing swept)");
+        }
+        Ok(())
+    }
+}
+
+async fn readyz(State(app): State<AppState>) -> StatusCode {
+    if app.importer.nats_connected() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
+}
+
+/// `POST /v1/partners/{name}/feed`: the body is the feed, streamed into the
+/// importer; the answer is the report.
+async fn push(State(app): State<AppState>, Path(name): Path<String>, body: Body) -> Response {
+    let (Some(partner), Some(lock)) = (app.settings.partner(&name), app.locks.get(&name)) else {
+        return error(StatusCode::NOT_FOUND, format!("unknown partner `{name}`"));
+    };
+    let Ok(_running) = lock.try_lock() else {
+        return error(StatusCode::CONFLICT, format!("an import of `{name}` is already running"));
+    };
+    let max = app.settings.ingest.max_push_bytes;
+    let mut seen = 0u64;
+    let body = body.into_data_stream().map(move |chunk| {
+        let chunk = chunk.map_err(io::Error::other)?;
+        seen += chunk.len() as u64;
+        if seen > max {
+            return Err(io::Error::other(format!("the body is over ingest.max_push_bytes = {max}")));
+        }
+        Ok(chunk)
+    });
+    let source = Source::Stream(Box::new(StreamReader::new(Box::pin(body))));
+    let (report, result) = app.importer.run(partner, source, None).await;
+    let status = match &result {
+        Ok(()) => return Json(report).into_response(),
+        Err(e) if e.is_bad_feed() => StatusCode::BAD_REQUEST,
+        Err(ImportError::Source { .. }) => StatusCode::BAD_REQUEST,
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    let message = result.err().map(|e| e.to_string()).unwrap_or_default();
+    (status, Json(json!({ "error": message, "report": report }))).into_response()
+}
+
+/// Imports `partner.source` every `poll_interval`, the first time at once.
+async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::Receiver<bool>) {
+    let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else { return };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A file is imported again only when its modification time or size changed.
+    let mut last_file: Option<(Option<SystemTime>, u64)> = None;
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stopped.wait_for(|s| *s) => return,
+        }
+        let Some(lock) = app.locks.get(&partner.name) else { return };
+        let Ok(_running) = lock.try_lock() else {
+            info!(partner = %partner.name, "previous import still running, poll skipped");
+            continue;
+        };
+        let source = Source::parse(&source);
+        let file_sig = match &source {
+            Source::File(path) => tokio::fs::metadata(path).await.ok().map(|m| (m.modified().ok(), m.len())),
+            _ => None,
+        };
+        if file_sig.is_some() && file_sig == last_file {
+            debug!(partner = %partner.name, "file unchanged, not imported");
+            continue;
+        }
+        // The importer logs and records the outcome; a failed file is retried.
+        if app.importer.import(&partner, source, None).await.is_ok() {
+            last_file = file_sig;
+        }
+    }
+}
+
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => _ = s.recv().await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}

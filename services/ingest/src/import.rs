@@ -1,0 +1,449 @@
+//! One import, end to end: open the source, parse on a blocking thread,
+//! batch and publish commands and rejections, sweep after a good full
+//! import, report.
+//!
+//! The parser thread and the async publisher are joined by a small bounded
+//! channel, and JetStream acks in flight are bounded by the `Publisher`, so
+//! memory does not grow with the feed: a slow NATS slows the parser down.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use prost::Message;
+use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of};
+use shelfsync_proto::{Command, CommandBatch, Origin, RecordKey, Rejection, RejectionBatch, Sweep, msg_type};
+use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use tokio::sync::mpsc;
+use tracing::{Instrument, info, warn};
+
+use crate::feed::{FeedEvent, Stopped, parse_feed};
+use crate::item::{CommandContext, ItemRules, OwnedFields, Reject, to_command};
+use crate::report::{ImportError, ImportReport, ImportStatus, Progress};
+use crate::source::{self, FeedReader, Opened, Source, Validators};
+use crate::state::State;
+
+/// Events per message of the parser → publisher channel, and messages the
+/// channel holds: at most 4096 parsed events wait for the publisher.
+const CHUNK: usize = 256;
+const CHANNEL_CHUNKS: usize = 16;
+/// Rejections per message, and rejections held before all are flushed.
+const REJECTS_PER_BATCH: usize = 100;
+const REJECTS_HELD: usize = 1000;
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Runs imports. Cheap to share (`Arc`); imports of different partners may
+/// run at once.
+pub struct Importer {
+    settings: Arc<Settings>,
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    subjects: Subjects,
+    state: State,
+    http: reqwest::Client,
+}
+
+impl Importer {
+    /// Connects to NATS (and Redis for state) from settings; fails at once
+    /// if a server is down.
+    pub async fn connect(settings: Arc<Settings>) -> anyhow::Result<Importer> {
+        Self::connect_with(settings, false).await
+    }
+
+    /// `retry`: keep trying to reach NATS in the background (services).
+    pub(crate) async fn connect_with(settings: Arc<Settings>, retry: bool) -> anyhow::Result<Importer> {
+        let client = shelfsync_bus::connect(&settings.nats, "shelfsync-ingest", retry).await?;
+        let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
+        let state = State::connect(&settings.redis)
+            .await
+            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
+        // reqwest is built without a default crypto provider; install ours
+        // (an error only means one is installed already).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .user_agent(concat!("shelfsync-ingest/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(Duration::from_secs(60))
+            .build()
+            .context("cannot build the HTTP client")?;
+        let subjects = Subjects::new(&settings.nats.prefix);
+        Ok(Importer { settings, client, js, subjects, state, http })
+    }
+
+    pub fn nats_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// The last `n` reports of `partner` (at most 20), newest first.
+    pub async fn reports(&self, partner: &str, n: usize) -> Result<Vec<ImportReport>, ImportError> {
+        let stored = self.state.reports(partner, n).await?;
+        Ok(stored.iter().filter_map(|json| serde_json::from_str(json).ok()).collect())
+    }
+
+    /// Runs one import of `source` for `partner`; `progress` is called now
+    /// and then (at most ~10 times/s) with running counts. A failed import
+    /// is recorded too (its report is in Redis).
+    pub async fn import(
+        &self,
+        partner: &PartnerSettings,
+        source: Source,
+        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+    ) -> Result<ImportReport, ImportError> {
+        let (report, result) = self.run(partner, source, progress).await;
+        result.map(|()| report)
+    }
+
+    /// As [`Importer::import`], with the report also when it failed.
+    pub async fn run(
+        &self,
+        partner: &PartnerSettings,
+        source: Source,
+        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+    ) -> (ImportReport, Result<(), ImportError>) {
+        let started = now_micros();
+        let import_id = format!("{}-{started}", partner.name);
+        let span = tracing::info_span!("ingest.import", partner = %partner.name, import_id = %import_id);
+        async {
+            let clock = Instant::now();
+            let mut report = ImportReport {
+                import_id: import_id.clone(),
+                partner: partner.name.clone(),
+                kind: if partner.kind == ImportKind::Full { "full" } else { "delta" }.into(),
+                source: source.describe(),
+                status: ImportStatus::Completed,
+                error: None,
+                items: 0,
+                commands: 0,
+                rejected: Default::default(),
+                rejected_total: 0,
+                places: 0,
+                sweeps: 0,
+                batches: 0,
+                bytes_in: 0,
+                bytes_out: 0,
+                duration_ms: 0,
+                generation: if partner.kind == ImportKind::Full { started } else { 0 },
+            };
+            let result = self.run_source(partner, source, &mut report, progress).await;
+            report.duration_ms = clock.elapsed().as_millis() as u64;
+            if let Err(e) = &result {
+                report.status = ImportStatus::Failed;
+                report.error = Some(e.to_string());
+            }
+            self.record(&report).await;
+            (report, result)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Logs the one line of this import and keeps its report.
+    async fn record(&self, r: &ImportReport) {
+        let rejected = r.rejected_total;
+        match &r.error {
+            None => info!(status = ?r.status, items = r.items, rejected, places = r.places, sweeps = r.sweeps,
+                batches = r.batches, bytes_in = r.bytes_in, bytes_out = r.bytes_out, duration_ms = r.duration_ms,
+                "import finished"),
+            Some(error) => warn!(error, items = r.items, rejected, places = r.places, batches = r.batches,
+                bytes_in = r.bytes_in, duration_ms = r.duration_ms, "import failed, nothing swept"),
+        }
+        let json = serde_json::to_string(r).unwrap_or_default();
+        if let Err(e) = self.state.push_report(&r.partner, &json).await {
+            warn!(error = %e, "cannot store the import report in Redis");
+        }
+    }
+
+    async fn run_source(
+        &self,
+        partner: &PartnerSettings,
+        source: Source,
+        report: &mut ImportReport,
+        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+    ) -> Result<(), ImportError> {
+        let is_url = matches!(source, Source::Url(_));
+        let known = if is_url { self.state.validators(&partner.name).await? } else { Validators::default() };
+        let (reader, fresh) = match source::open(source, &self.http, &known).await? {
+            Opened::Unchanged => {
+                report.status = ImportStatus::Unchanged;
+                return Ok(());
+            }
+            Opened::Feed(reader, fresh) => (reader, fresh),
+        };
+        let max_payload = match self.client.server_info().max_payload {
+            0 => 1 << 20,
+            n => n,
+        };
+        let mut run = Run {
+            partner,
+            subjects: &self.subjects,
+            partitions: self.settings.storage.partitions,
+            publisher: Publisher::new(self.js.clone(), self.settings.nats.max_inflight),
+            batcher: CommandBatcher::new(
+                self.settings.storage.partitions,
+                self.settings.ingest.batch_size,
+                max_payload.saturating_sub(PAYLOAD_HEADROOM),
+            ),
+            batch_seq: HashMap::new(),
+            rejects: HashMap::new(),
+            rejects_held: 0,
+            reject_seq: 0,
+            places: BTreeSet::new(),
+            report,
+        };
+        run.pipeline(reader, &self.settings.ingest, progress).await?;
+        if partner.kind == ImportKind::Full {
+            run.sweep().await?;
+        }
+        if is_url && fresh != known {
+            self.state.save_validators(&partner.name, &fresh).await?;
+        }
+        Ok(())
+    }
+}
+
+/// What the parser thread sends: commands are built there, off the runtime.
+enum Event {
+    Place(i64),
+    Command(Command),
+    Reject(Reject),
+}
+
+/// Counts raw feed bytes for progress and the report.
+struct Counting<R> {
+    inner: R,
+    count: Arc<AtomicU64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.count.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// The state of one running import on the publishing side.
+struct Run<'a> {
+    partner: &'a PartnerSettings,
+    subjects: &'a Subjects,
+    partitions: u32,
+    publisher: Publisher,
+    batcher: CommandBatcher,
+    /// Batches published per partition, for deterministic message ids.
+    batch_seq: HashMap<Partition, u64>,
+    /// Rejections waiting, per place (0: unknown).
+    rejects: HashMap<i64, Vec<Rejection>>,
+    rejects_held: usize,
+    reject_seq: u64,
+    places: BTreeSet<i64>,
+    report: &'a mut ImportReport,
+}
+
+impl Run<'_> {
+    /// Parses on a blocking thread and publishes what it sends. Commands of
+    /// good items before a feed error are still published (they are valid
+    /// PATCHes); the error is returned after.
+    async fn pipeline(
+        &mut self,
+        reader: FeedReader,
+        cfg: &shelfsync_settings::IngestSettings,
+        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+    ) -> Result<(), ImportError> {
+        let bytes_in = Arc::new(AtomicU64::new(0));
+        let (tx, mut rx) = mpsc::channel::<Vec<Event>>(CHANNEL_CHUNKS);
+        let rules = ItemRules {
+            brand_id: self.partner.brand_id,
+            owned: OwnedFields::from_names(&self.partner.fields),
+            max_item_bytes: cfg.max_item_bytes,
+        };
+        let ctx = CommandContext {
+            brand_id: self.partner.brand_id,
+            generation: self.report.generation,
+            clear_missing: self.partner.clear_missing,
+            source: self.partner.name.clone(),
+            import_id: self.report.import_id.clone(),
+        };
+        let format = self.partner.format;
+        let reader = Counting { inner: reader, count: bytes_in.clone() };
+        let parser = tokio::task::spawn_blocking(move || {
+            let mut chunk = Vec::with_capacity(CHUNK);
+            let mut sink = |event: FeedEvent| {
+                chunk.push(match event {
+                    FeedEvent::Place(place) => Event::Place(place),
+                    FeedEvent::Item(item) => Event::Command(to_command(item, &ctx, now_micros())),
+                    FeedEvent::Reject(reject) => Event::Reject(reject),
+                });
+                if chunk.len() >= CHUNK {
+                    tx.blocking_send(std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK))).map_err(|_| Stopped)?;
+                }
+                Ok(())
+            };
+            let result = parse_feed(reader, format, &rules, &mut sink);
+            if !chunk.is_empty() {
+                let _ = tx.blocking_send(chunk);
+            }
+            result
+        });
+
+        let mut last_progress = Instant::now();
+        let mut published = Ok(());
+        while let Some(events) = rx.recv().await {
+            if let Err(e) = self.handle(events).await {
+                published = Err(e);
+                break;
+            }
+            if let Some(callback) = progress
+                && last_progress.elapsed() >= PROGRESS_EVERY
+            {
+                last_progress = Instant::now();
+                callback(&self.progress(&bytes_in));
+            }
+        }
+        drop(rx); // a parser still running stops at its next send
+        let parsed = parser.await.map_err(|e| ImportError::Internal(e.to_string()))?;
+        self.report.bytes_in = bytes_in.load(Ordering::Relaxed);
+        published?;
+        self.finish().await?;
+        if let Some(callback) = progress {
+            callback(&self.progress(&bytes_in));
+        }
+        parsed.map(drop).map_err(|e| ImportError::from_feed(e, &self.report.source))
+    }
+
+    fn progress(&self, bytes_in: &AtomicU64) -> Progress {
+        Progress {
+            bytes_in: bytes_in.load(Ordering::Relaxed),
+            items: self.report.items,
+            rejected: self.report.rejected_total,
+            batches: self.report.batches,
+        }
+    }
+
+    async fn handle(&mut self, events: Vec<Event>) -> Result<(), ImportError> {
+        for event in events {
+            match event {
+                Event::Place(place) => {
+                    self.places.insert(place);
+                }
+                Event::Command(command) => {
+                    self.report.items += 1;
+                    for (partition, batch) in self.batcher.push(command) {
+                        self.publish_batch(partition, batch).await?;
+                    }
+                }
+                Event::Reject(reject) => self.reject(reject).await?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn publish_batch(&mut self, partition: Partition, batch: CommandBatch) -> Result<(), ImportError> {
+        let seq = self.batch_seq.entry(partition).or_default();
+        let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
+        *seq += 1;
+        self.report.batches += 1;
+        self.report.commands += batch.commands.len() as u64;
+        self.publish_cmd(partition, msg_id, batch).await
+    }
+
+    async fn publish_cmd(&mut self, partition: Partition, msg_id: String, batch: CommandBatch) -> Result<(), ImportError> {
+        let payload = Bytes::from(batch.encode_to_vec());
+        self.report.bytes_out += payload.len() as u64;
+        let subject = self.subjects.cmd(partition);
+        self.publisher.publish(subject, msg_id, msg_type::COMMAND_BATCH, None, payload).await?;
+        Ok(())
+    }
+
+    async fn reject(&mut self, r: Reject) -> Result<(), ImportError> {
+        *self.report.rejected.entry(r.reason.as_str().to_string()).or_default() += 1;
+        self.report.rejected_total += 1;
+        let place = r.place_id.unwrap_or(0);
+        let key = match (r.place_id, r.id) {
+            (Some(place_id), Some(id)) => Some(RecordKey::new(self.partner.brand_id, place_id, id)),
+            _ => None,
+        };
+        let rejection = Rejection {
+            reason: r.reason.as_str().into(),
+            detail: r.detail,
+            key,
+            origin: Some(Origin {
+                source: self.partner.name.clone(),
+                import_id: self.report.import_id.clone(),
+                published_at: now_micros(),
+            }),
+            raw: r.raw,
+            command: None,
+        };
+        let held = self.rejects.entry(place).or_default();
+        held.push(rejection);
+        self.rejects_held += 1;
+        if held.len() >= REJECTS_PER_BATCH {
+            self.flush_rejects(Some(place)).await?;
+        } else if self.rejects_held >= REJECTS_HELD {
+            self.flush_rejects(None).await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes the held rejections of `place`, or of every place.
+    async fn flush_rejects(&mut self, place: Option<i64>) -> Result<(), ImportError> {
+        let places: Vec<i64> = match place {
+            Some(p) => vec![p],
+            None => self.rejects.keys().copied().collect(),
+        };
+        for place in places {
+            let Some(rejections) = self.rejects.remove(&place) else { continue };
+            self.rejects_held -= rejections.len();
+            let msg_id = format!("{}:rej:{}", self.report.import_id, self.reject_seq);
+            self.reject_seq += 1;
+            let subject = self.subjects.rejects(self.partner.brand_id, place);
+            let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
+            self.publisher.publish(subject, msg_id, msg_type::REJECTION_BATCH, None, payload).await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes what is still batched and waits for every ack.
+    async fn finish(&mut self) -> Result<(), ImportError> {
+        for (partition, batch) in self.batcher.drain() {
+            self.publish_batch(partition, batch).await?;
+        }
+        self.flush_rejects(None).await?;
+        self.publisher.flush().await?;
+        self.report.places = self.places.len() as u64;
+        Ok(())
+    }
+
+    /// One sweep per place seen, each on its place's partition, after every
+    /// command of the import is acked (so storage applies them first).
+    async fn sweep(&mut self) -> Result<(), ImportError> {
+        let brand_id = self.partner.brand_id;
+        for place_id in std::mem::take(&mut self.places) {
+            let partition = partition_of(brand_id, place_id, self.partitions);
+            let batch = CommandBatch {
+                partition: partition.0,
+                commands: Vec::new(),
+                sweeps: vec![Sweep {
+                    brand_id,
+                    place_id,
+                    generation: self.report.generation,
+                    source: self.partner.name.clone(),
+                    import_id: self.report.import_id.clone(),
+                }],
+            };
+            let msg_id = format!("{}:sweep:{place_id}", self.report.import_id);
+            self.publish_cmd(partition, msg_id, batch).await?;
+            self.report.sweeps += 1;
+        }
+        self.publisher.flush().await?;
+        Ok(())
+    }
+}
+
+fn now_micros() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
+}

@@ -1,0 +1,199 @@
+//! What one import did (kept in Redis, returned by the push endpoint, printed
+//! by the CLI), what can make it fail, and the running counts shown while it
+//! runs.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::feed::FeedError;
+
+/// How an import ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImportStatus {
+    Completed,
+    /// The source said the feed did not change (HTTP 304): nothing published.
+    Unchanged,
+    Failed,
+}
+
+/// The summary of one import. Counts are of this import only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImportReport {
+    pub import_id: String,
+    pub partner: String,
+    /// `"full"` or `"delta"`.
+    pub kind: String,
+    /// The file, URL or `push` the feed came from.
+    pub source: String,
+    pub status: ImportStatus,
+    pub error: Option<String>,
+    /// Valid items (each one PATCH command).
+    pub items: u64,
+    pub commands: u64,
+    /// Rejected items by reason.
+    pub rejected: BTreeMap<String, u64>,
+    pub rejected_total: u64,
+    /// Places seen in the feed (listed with no items included).
+    pub places: u64,
+    pub sweeps: u64,
+    /// Command batch messages (sweeps not included).
+    pub batches: u64,
+    /// Raw feed bytes read.
+    pub bytes_in: u64,
+    /// Command payload bytes published (sweeps included).
+    pub bytes_out: u64,
+    pub duration_ms: u64,
+    /// The generation stamped on commands: import start (µs) for a full
+    /// import, 0 for a delta.
+    pub generation: i64,
+}
+
+impl ImportReport {
+    /// A human-readable summary, a few lines.
+    pub fn render(&self) -> String {
+        let mut out = format!("import {} of {} ({}) from {}: ", self.import_id, self.partner, self.kind, self.source);
+        let secs = self.duration_ms as f64 / 1000.0;
+        match self.status {
+            ImportStatus::Completed => _ = write!(out, "completed in {secs:.2} s"),
+            ImportStatus::Unchanged => {
+                _ = write!(out, "unchanged since the last import, nothing published ({secs:.2} s)");
+                return out;
+            }
+            ImportStatus::Failed => _ = write!(out, "FAILED after {secs:.2} s"),
+        }
+        if let Some(error) = &self.error {
+            _ = write!(out, "\n  error      {error}");
+        }
+        _ = write!(out, "\n  items      {} good, {} rejected", self.items, self.rejected_total);
+        if !self.rejected.is_empty() {
+            let reasons: Vec<String> = self.rejected.iter().map(|(r, n)| format!("{r} {n}")).collect();
+            _ = write!(out, " ({})", reasons.join(", "));
+        }
+        _ = write!(out, "\n  places     {}, {} swept", self.places, self.sweeps);
+        _ = write!(
+            out,
+            "\n  messages   {} command batches, {} out, {} in",
+            self.batches,
+            human_bytes(self.bytes_out),
+            human_bytes(self.bytes_in)
+        );
+        if self.status == ImportStatus::Failed {
+            out.push_str("\n  note       commands published before the failure stay published (valid PATCHes); nothing was swept");
+        }
+        out
+    }
+}
+
+fn human_bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
+        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+/// Running counts, handed to the progress callback now and then.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub bytes_in: u64,
+    pub items: u64,
+    pub rejected: u64,
+    pub batches: u64,
+}
+
+/// Why an import failed. Nothing was swept; commands published before the
+/// failure stay published (see the report).
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("the feed is not JSON: expected `{{` at byte {offset}, found {found:?}")]
+    NotJson { found: String, offset: u64 },
+    #[error("the feed is empty")]
+    Empty,
+    #[error("the feed is malformed: {0}")]
+    Malformed(String),
+    #[error("the feed is for brand {found}, but the partner's brand is {expected}")]
+    BrandMismatch { expected: i64, found: i64 },
+    #[error("cannot read {what}: {detail}")]
+    Source { what: String, detail: String },
+    #[error("cannot publish: {0}")]
+    Publish(#[from] shelfsync_bus::PublishFailed),
+    #[error("import state in Redis: {0}")]
+    State(#[from] redis::RedisError),
+    #[error("the import task failed: {0}")]
+    Internal(String),
+}
+
+impl ImportError {
+    /// True when the feed itself is at fault (not the source, bus or Redis).
+    pub fn is_bad_feed(&self) -> bool {
+        matches!(
+            self,
+            ImportError::NotJson { .. } | ImportError::Empty | ImportError::Malformed(_) | ImportError::BrandMismatch { .. }
+        )
+    }
+
+    pub(crate) fn from_feed(e: FeedError, what: &str) -> ImportError {
+        match e {
+            FeedError::Empty => ImportError::Empty,
+            FeedError::NotJson { found, offset } => ImportError::NotJson { found, offset },
+            FeedError::Malformed(m) => ImportError::Malformed(m),
+            FeedError::BrandMismatch { expected, found } => ImportError::BrandMismatch { expected, found },
+            FeedError::Io(e) => ImportError::Source { what: what.into(), detail: error_chain(&e) },
+            FeedError::Stopped => ImportError::Internal("the parse was stopped".into()),
+        }
+    }
+}
+
+/// An error and its causes on one line: reqwest and io errors hide the
+/// useful part in their sources.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            _ = write!(out, ": {text}");
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_report_says_what_stays_and_what_was_not_swept() {
+        let report = ImportReport {
+            import_id: "p-1".into(),
+            partner: "p".into(),
+            kind: "full".into(),
+            source: "feed.json".into(),
+            status: ImportStatus::Failed,
+            error: Some("the feed is malformed: EOF".into()),
+            items: 3,
+            commands: 3,
+            rejected: [("wrong_type".to_string(), 2)].into(),
+            rejected_total: 2,
+            places: 1,
+            sweeps: 0,
+            batches: 1,
+            bytes_in: 2048,
+            bytes_out: 300,
+            duration_ms: 1500,
+            generation: 1,
+        };
+        let text = report.render();
+        assert!(text.contains("FAILED after 1.50 s"), "{text}");
+        assert!(text.contains("3 good, 2 rejected (wrong_type 2)"), "{text}");
+        assert!(text.contains("nothing was swept"), "{text}");
+        let json = serde_json::to_value(&report).expect("serializes");
+        assert_eq!(json["status"], "failed");
+        assert_eq!(json["rejected"]["wrong_type"], 2);
+    }
+}
