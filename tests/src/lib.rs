@@ -36,6 +36,9 @@ pub fn settings_for(env: &TestEnv) -> Settings {
     s.storage.partitions = 4;
     s.storage.retry_delay = Duration::from_millis(100);
     s.storage.ack_wait = Duration::from_secs(5);
+    // Several storages run at once in tests: no fixed ports.
+    s.storage.http_listen = "127.0.0.1:0".into();
+    s.ingest.listen = "127.0.0.1:0".into();
     s
 }
 
@@ -135,6 +138,9 @@ pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
         ("SHELFSYNC__STORAGE__RETRY_DELAY".into(), humantime(s.storage.retry_delay)),
         ("SHELFSYNC__STORAGE__TOMBSTONE_TTL".into(), humantime(s.storage.tombstone_ttl)),
         ("SHELFSYNC__STORAGE__PURGE_INTERVAL".into(), humantime(s.storage.purge_interval)),
+        ("SHELFSYNC__STORAGE__HTTP_LISTEN".into(), s.storage.http_listen.clone()),
+        ("SHELFSYNC__STORAGE__KEYFRAME_SCHEDULE".into(), s.storage.keyframe_schedule.clone()),
+        ("SHELFSYNC__INGEST__LISTEN".into(), s.ingest.listen.clone()),
     ]
 }
 

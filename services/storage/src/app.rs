@@ -1,15 +1,22 @@
-//! Builds storage from settings and runs its partition workers until told
-//! to stop.
+//! Builds storage from settings and runs it until told to stop: one worker
+//! per owned partition, the keyframe schedule, the keyframe control subject
+//! and the read API (NATS and HTTP).
 
 use std::future::Future;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects};
+use futures::StreamExt;
+use prost::Message;
+use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
+use shelfsync_proto::{KeyframeReply, KeyframeRequest};
 use shelfsync_settings::Settings;
-use tokio::sync::watch;
-use tracing::{error, info};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{error, info, warn};
 
+use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
+use crate::read::ReadApi;
 use crate::stats::Stats;
 use crate::store::Store;
 use crate::worker::Worker;
@@ -20,10 +27,50 @@ pub struct App {
     js: async_nats::jetstream::Context,
     store: Store,
     stats: Arc<Stats>,
+    http: tokio::net::TcpListener,
+}
+
+/// Sends keyframe jobs to the workers of this replica.
+#[derive(Clone)]
+struct Keyframer {
+    replica: u32,
+    partitions: u32,
+    workers: Vec<(Partition, mpsc::Sender<KeyframeJob>)>,
+}
+
+impl Keyframer {
+    /// Starts a keyframe of every owned place, or of one place if this
+    /// replica owns it (`None` otherwise); the reply arrives when done.
+    async fn start(
+        &self,
+        keyframe_id: String,
+        place: Option<(i64, i64)>,
+    ) -> Option<oneshot::Receiver<KeyframeReply>> {
+        let targets: Vec<_> = match place {
+            Some((b, p)) => {
+                let owner = partition_of(b, p, self.partitions);
+                self.workers.iter().filter(|(w, _)| *w == owner).collect()
+            }
+            None => self.workers.iter().collect(),
+        };
+        if targets.is_empty() {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        let progress = JobProgress::new(keyframe_id.clone(), self.replica, targets.len(), Some(tx));
+        for (_, worker) in targets {
+            let job = KeyframeJob { keyframe_id: keyframe_id.clone(), place, progress: progress.clone() };
+            if worker.send(job).await.is_err() {
+                progress.worker_done(Some("worker stopped".into())).await;
+            }
+        }
+        Some(rx)
+    }
 }
 
 impl App {
-    /// Connects to NATS and Redis and makes sure the streams exist.
+    /// Connects to NATS and Redis, makes sure the streams exist and binds
+    /// the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-storage", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
@@ -31,17 +78,19 @@ impl App {
         let store = Store::connect(&settings.redis)
             .await
             .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
-        Ok(App {
-            settings: Arc::new(settings),
-            client,
-            js,
-            store,
-            stats: Arc::default(),
-        })
+        let http = tokio::net::TcpListener::bind(&settings.storage.http_listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", settings.storage.http_listen))?;
+        Ok(App { settings: Arc::new(settings), client, js, store, stats: Arc::default(), http })
     }
 
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
+    }
+
+    /// Where the HTTP read API listens (useful with port 0).
+    pub fn http_addr(&self) -> std::net::SocketAddr {
+        self.http.local_addr().expect("bound listener has an address")
     }
 
     /// Runs every owned partition until `shutdown` resolves, then lets each
@@ -54,15 +103,24 @@ impl App {
             replica = self.settings.storage.replica,
             replicas = self.settings.storage.replicas,
             partitions = owned.len(),
+            http = %self.http_addr(),
             "storage starting"
         );
+        let subjects = Subjects::new(&self.settings.nats.prefix);
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
+        let mut keyframer = Keyframer {
+            replica: self.settings.storage.replica,
+            partitions: self.settings.storage.partitions,
+            workers: Vec::new(),
+        };
         for p in owned {
+            let (job_tx, job_rx) = mpsc::channel(16);
+            keyframer.workers.push((Partition(p), job_tx));
             let worker = Worker {
                 partition: Partition(p),
                 settings: self.settings.clone(),
-                subjects: Subjects::new(&self.settings.nats.prefix),
+                subjects: subjects.clone(),
                 js: self.js.clone(),
                 store: self.store.clone(),
                 stats: self.stats.clone(),
@@ -71,19 +129,32 @@ impl App {
             let rx = stop_rx.clone();
             tasks.spawn(async move {
                 let p = worker.partition;
-                if let Err(e) = worker.run(rx).await {
+                if let Err(e) = worker.run(rx, job_rx).await {
                     error!(partition = %p, error = format!("{e:#}"), "partition worker stopped");
                     return Err(e);
                 }
                 Ok(())
             });
         }
+        let mut side = tokio::task::JoinSet::new();
+        side.spawn(schedule_keyframes(self.settings.clone(), keyframer.clone(), stop_rx.clone()));
+        side.spawn(serve_keyframe_requests(
+            self.client.clone(),
+            subjects.clone(),
+            keyframer,
+            stop_rx.clone(),
+        ));
+        let read = ReadApi::new(self.store.clone(), self.settings.clone());
+        side.spawn(read.clone().serve_nats(self.client.clone(), subjects, stop_rx.clone()));
+        side.spawn(read.serve_http(self.http, stop_rx.clone()));
+
         tokio::select! {
             _ = shutdown => info!("shutting down: finishing messages in hand"),
             Some(res) = tasks.join_next() => {
                 // A worker ended on its own: stop the rest and report why.
                 let _ = stop_tx.send(true);
                 while tasks.join_next().await.is_some() {}
+                side.shutdown().await;
                 res??;
                 anyhow::bail!("a partition worker stopped unexpectedly");
             }
@@ -94,9 +165,94 @@ impl App {
                 error!(error = %e, "partition worker panicked");
             }
         }
+        side.shutdown().await;
         self.client.flush().await.ok();
         info!("storage stopped");
         Ok(())
+    }
+}
+
+/// Fires keyframes on the configured cron schedule (UTC). Every replica runs
+/// the same schedule; the keyframe id derives from the tick, so all replicas
+/// of one tick share it.
+async fn schedule_keyframes(settings: Arc<Settings>, keyframer: Keyframer, mut stop: watch::Receiver<bool>) {
+    let expr = settings.storage.keyframe_schedule.trim();
+    if expr.is_empty() {
+        return;
+    }
+    let schedule = match cron::Schedule::from_str(expr) {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "invalid keyframe schedule; keyframes only on demand");
+            return;
+        }
+    };
+    loop {
+        let Some(next) = schedule.upcoming(chrono::Utc).next() else { return };
+        let wait = (next - chrono::Utc::now()).to_std().unwrap_or_default();
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => return,
+        }
+        let id = keyframe_id_at(next.timestamp_micros());
+        info!(keyframe_id = %id, "scheduled keyframe");
+        if let Some(done) = keyframer.start(id, None).await {
+            // Don't start the next tick's keyframe while this one runs.
+            tokio::select! {
+                _ = done => {}
+                _ = stop.changed() => return,
+            }
+        }
+    }
+}
+
+/// Answers `KeyframeRequest`s on `<prefix>.ctl.keyframe`: every replica
+/// keyframes the places it owns and replies when done.
+async fn serve_keyframe_requests(
+    client: async_nats::Client,
+    subjects: Subjects,
+    keyframer: Keyframer,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut sub = match client.subscribe(subjects.ctl_keyframe()).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "cannot subscribe to keyframe requests");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => return },
+            _ = stop.changed() => return,
+        };
+        let Some(reply_to) = msg.reply.clone() else { continue };
+        let req = match KeyframeRequest::decode(msg.payload.as_ref()) {
+            Ok(r) => r,
+            Err(e) => {
+                let reply = KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
+                let _ = client.publish(reply_to, reply.encode_to_vec().into()).await;
+                continue;
+            }
+        };
+        let id = if req.keyframe_id.is_empty() {
+            keyframe_id_at(chrono::Utc::now().timestamp_micros())
+        } else {
+            req.keyframe_id.clone()
+        };
+        let place = (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+        let Some(done) = keyframer.start(id, place).await else { continue };
+        let client = client.clone();
+        tokio::spawn(async move {
+            match done.await {
+                Ok(reply) => {
+                    if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+                        warn!(error = %e, "cannot reply to keyframe request");
+                    }
+                }
+                Err(_) => warn!("keyframe abandoned before completion"),
+            }
+        });
     }
 }
 

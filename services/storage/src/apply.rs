@@ -239,7 +239,15 @@ fn apply_command(
     let malformed = |what: &str, e: shelfsync_merge::MergeError| {
         reject(cmd, reason::MALFORMED, format!("{what}: {e}"))
     };
-    let mut next = before.clone().unwrap_or_default();
+    let was_deleted = before.as_ref().is_some_and(|b| b.deleted);
+    // A record written after its deletion starts afresh, exactly as it would
+    // once the tombstone is purged: not absent, no generation.
+    let recreate = was_deleted && kind != CommandKind::Delete;
+    let mut generation = if recreate { 0 } else { slot.generation };
+    let mut next = match &before {
+        Some(b) if recreate => Record { updated_at: b.updated_at, ..Default::default() },
+        _ => before.clone().unwrap_or_default(),
+    };
     match kind {
         CommandKind::Save => {
             next.data =
@@ -265,7 +273,8 @@ fn apply_command(
         CommandKind::Unspecified => unreachable!("rejected above"),
     }
     let size = next.data.len() + next.state.len();
-    if size > limits.max_record_bytes {
+    // A delete never grows a record: it must work even under a lowered limit.
+    if kind != CommandKind::Delete && size > limits.max_record_bytes {
         return Err(reject(
             cmd,
             reason::TOO_LARGE,
@@ -278,10 +287,12 @@ fn apply_command(
     // Only full imports stamp generations; a record they carry is present.
     if cmd.generation > 0 && kind != CommandKind::Delete {
         next.absent = false;
-        if slot.generation != cmd.generation {
-            slot.generation = cmd.generation;
-            slot.gen_dirty = true;
-        }
+        generation = cmd.generation;
+    }
+    // Accepted: from here on the slot moves.
+    if slot.generation != generation {
+        slot.generation = generation;
+        slot.gen_dirty = true;
     }
 
     let observable = |r: &Record| (r.data.clone(), r.state.clone(), r.absent, r.deleted);
@@ -291,7 +302,6 @@ fn apply_command(
     if !changed {
         return Ok(None);
     }
-    let was_deleted = before.as_ref().is_some_and(|b| b.deleted);
     next.updated_at = bump(current_updated, limits.now_us);
     if before.is_none() || was_deleted {
         next.created_at = next.updated_at;
@@ -311,7 +321,8 @@ fn apply_command(
     slot.record = Some(next.clone());
     slot.record_dirty = true;
     slot.gen_dirty = true; // the flags in the generation column follow the record
-    let before = before.as_ref().map(|r| (r, before_generation));
+    // Re-creating a deleted record is a CREATED change: no `before`.
+    let before = before.as_ref().filter(|_| !was_deleted).map(|r| (r, before_generation));
     Ok(Some(change(
         &key,
         before,

@@ -20,11 +20,17 @@ pub struct Stats {
     pub retries: AtomicU64,
     pub fenced: AtomicU64,
     pub dead_lettered: AtomicU64,
+    pub keyframe_records: AtomicU64,
+    /// Longest time one place's keyframe held its partition, microseconds.
+    pub keyframe_place_max_us: AtomicU64,
 }
 
 impl Stats {
     pub fn add(&self, counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn observe_keyframe_place(&self, took: std::time::Duration) {
+        self.keyframe_place_max_us.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
     }
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)

@@ -12,6 +12,7 @@
 //! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
+//! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
 //!
 //! Generations live apart from records so that an identical re-import
 //! writes one small bulk `HSET` per place and no record bytes.
@@ -149,6 +150,9 @@ impl Keys {
     }
     pub fn places(&self) -> String {
         format!("{}:places", self.tag)
+    }
+    pub fn keyframes(&self, brand: i64, place: i64) -> String {
+        format!("{}:kf:{brand}:{place}", self.tag)
     }
 }
 
@@ -617,6 +621,131 @@ impl Store {
                     ..r
                 });
             }
+        }
+        Ok(out)
+    }
+
+    /// The places of a partition that ever held a record.
+    pub async fn places(&self, partition: u32) -> Result<Vec<(i64, i64)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let raw: Vec<String> =
+            redis::cmd("SMEMBERS").arg(self.keys(partition).places()).query_async(&mut conn).await?;
+        let mut out: Vec<(i64, i64)> = raw
+            .iter()
+            .filter_map(|s| {
+                let (b, p) = s.split_once(':')?;
+                Some((b.parse().ok()?, p.parse().ok()?))
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// One HSCAN step over a place's records (key and generation filled in).
+    /// Returns the next cursor (0 when done). Duplicates are possible across
+    /// steps if the hash is rehashed; callers dedupe.
+    pub async fn scan_place(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<Record>), StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
+            .arg(keys.records(brand_id, place_id))
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut conn)
+            .await?;
+        let pairs: Vec<(String, Vec<u8>)> = flat
+            .chunks(2)
+            .filter(|c| c.len() == 2)
+            .map(|c| (String::from_utf8_lossy(&c[0]).into_owned(), c[1].clone()))
+            .collect();
+        if pairs.is_empty() {
+            return Ok((next, Vec::new()));
+        }
+        let ids: Vec<&str> = pairs.iter().map(|(id, _)| id.as_str()).collect();
+        let gens: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+            .arg(keys.gens(brand_id, place_id))
+            .arg(&ids)
+            .query_async(&mut conn)
+            .await?;
+        let mut out = Vec::with_capacity(pairs.len());
+        for ((id, bytes), generation) in pairs.into_iter().zip(gens) {
+            let slot =
+                self.slot(&keys, brand_id, place_id, &id, Some(&bytes), generation.as_deref())?;
+            if let Some(r) = slot.record {
+                out.push(Record {
+                    key: Some(RecordKey::new(brand_id, place_id, id)),
+                    generation: slot.generation,
+                    ..r
+                });
+            }
+        }
+        Ok((next, out))
+    }
+
+    /// Records that a keyframe of a place starts at `first_seq` in the
+    /// KEYFRAMES stream; returns the sequence below which older keyframes of
+    /// the place may be purged once more than `keep` are recorded.
+    pub async fn keyframe_published(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        first_seq: u64,
+        keep: u32,
+    ) -> Result<Option<u64>, StoreError> {
+        let key = self.keys(partition).keyframes(brand_id, place_id);
+        let mut conn = self.conn.clone();
+        let (oldest_kept,): (Vec<u64>,) = redis::pipe()
+            .atomic()
+            .rpush(&key, first_seq)
+            .ignore()
+            .ltrim(&key, -(keep.max(1) as isize), -1)
+            .ignore()
+            .lrange(&key, 0, 0)
+            .query_async(&mut conn)
+            .await?;
+        Ok(oldest_kept.first().copied())
+    }
+
+    /// Several records of one place, in the order asked (`None`: missing).
+    pub async fn get_many(
+        &self,
+        partitions: u32,
+        brand_id: i64,
+        place_id: i64,
+        ids: &[String],
+    ) -> Result<Vec<Option<Record>>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let mut conn = self.conn.clone();
+        let (recs, gens): (Vec<Option<Vec<u8>>>, Vec<Option<Vec<u8>>>) = redis::pipe()
+            .cmd("HMGET")
+            .arg(keys.records(brand_id, place_id))
+            .arg(ids)
+            .cmd("HMGET")
+            .arg(keys.gens(brand_id, place_id))
+            .arg(ids)
+            .query_async(&mut conn)
+            .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for ((id, rec), generation) in ids.iter().zip(recs).zip(gens) {
+            let slot =
+                self.slot(&keys, brand_id, place_id, id, rec.as_deref(), generation.as_deref())?;
+            out.push(slot.record.map(|r| Record {
+                key: Some(RecordKey::new(brand_id, place_id, id.clone())),
+                generation: slot.generation,
+                ..r
+            }));
         }
         Ok(out)
     }

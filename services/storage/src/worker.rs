@@ -10,7 +10,7 @@
 //! one); a re-published outbox entry is dropped by JetStream's duplicate
 //! window (deterministic `Nats-Msg-Id`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,10 +20,11 @@ use prost::Message;
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
 use shelfsync_settings::Settings;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
+use crate::keyframe::KeyframeJob;
 use crate::failpoint;
 use crate::stats::Stats;
 use crate::store::{Commit, Store, StoreError};
@@ -45,6 +46,15 @@ pub struct Worker {
     pub stats: Arc<Stats>,
     /// Largest payload to publish (server max payload minus headroom).
     pub max_bytes: usize,
+}
+
+/// One place waiting for its keyframe in this worker.
+struct PlaceSnapshot {
+    keyframe_id: String,
+    brand_id: i64,
+    place_id: i64,
+    progress: std::sync::Arc<crate::keyframe::JobProgress>,
+    last_of_job: bool,
 }
 
 enum Handled {
@@ -86,7 +96,13 @@ impl Worker {
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+    /// Keyframe jobs are worked off one place at a time, each between two
+    /// command messages, with ready messages served first.
+    pub async fn run(
+        self,
+        mut shutdown: watch::Receiver<bool>,
+        mut jobs: mpsc::Receiver<KeyframeJob>,
+    ) -> anyhow::Result<()> {
         let consumer = self.consumer().await?;
         let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
         // Whatever a previous owner committed but did not publish goes first.
@@ -94,10 +110,11 @@ impl Worker {
         let mut messages = consumer.messages().await?;
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
         loop {
             tokio::select! {
+                biased;
                 _ = shutdown.changed() => break,
-                _ = purge.tick() => self.purge().await,
                 next = messages.next() => {
                     let Some(next) = next else { break };
                     let msg = match next {
@@ -110,9 +127,61 @@ impl Worker {
                     };
                     self.process(msg, &mut publisher, &mut shutdown).await;
                 }
+                Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
+                _ = std::future::ready(()), if !snapshots.is_empty() => {
+                    if let Some(s) = snapshots.pop_front() {
+                        self.run_snapshot(s, &mut publisher).await;
+                    }
+                }
+                _ = purge.tick() => self.purge().await,
             }
         }
         Ok(())
+    }
+
+    async fn plan_snapshots(&self, job: KeyframeJob, queue: &mut VecDeque<PlaceSnapshot>) {
+        let places = match job.place {
+            Some(place) => vec![place],
+            None => match self.store.places(self.partition.0).await {
+                Ok(p) => p,
+                Err(e) => {
+                    job.progress.worker_done(Some(format!("partition {}: {e}", self.partition))).await;
+                    return;
+                }
+            },
+        };
+        if places.is_empty() {
+            job.progress.worker_done(None).await;
+            return;
+        }
+        let n = places.len();
+        for (i, (b, p)) in places.into_iter().enumerate() {
+            queue.push_back(PlaceSnapshot {
+                keyframe_id: job.keyframe_id.clone(),
+                brand_id: b,
+                place_id: p,
+                progress: job.progress.clone(),
+                last_of_job: i + 1 == n,
+            });
+        }
+    }
+
+    async fn run_snapshot(&self, s: PlaceSnapshot, publisher: &mut Publisher) {
+        let started = std::time::Instant::now();
+        match self.snapshot_place(&s.keyframe_id, s.brand_id, s.place_id, publisher).await {
+            Ok(records) => s.progress.place_done(records),
+            Err(e) => {
+                warn!(
+                    partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
+                    error = format!("{e:#}"), "place keyframe failed"
+                );
+                s.progress.place_failed(format!("place {}/{}: {e:#}", s.brand_id, s.place_id)).await;
+            }
+        }
+        self.stats.observe_keyframe_place(started.elapsed());
+        if s.last_of_job {
+            s.progress.worker_done(None).await;
+        }
     }
 
     async fn process(
@@ -332,6 +401,7 @@ impl Worker {
                     partition: self.partition.0,
                     command_seq: seq,
                     part,
+                    ..Default::default()
                 };
                 self.stats
                     .add(&self.stats.changes, batch.changes.len() as u64);

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 mod batch;
+pub mod digest;
 mod publish;
 mod subjects;
 
@@ -121,6 +122,14 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
             max_age: n.changes_max_age,
             description: Some("shelfsync changes: record before and after".into()),
             ..base(s.changes_stream(), vec![s.changes_all()])
+        },
+        // Old keyframes are purged by storage once `keyframes_kept` newer
+        // ones of the same place exist; max_age is a backstop.
+        stream::Config {
+            retention: stream::RetentionPolicy::Limits,
+            max_age: n.changes_max_age,
+            description: Some("shelfsync keyframes: consistent per-place snapshots".into()),
+            ..base(s.keyframes_stream(), vec![s.keyframes_all()])
         },
         stream::Config {
             retention: stream::RetentionPolicy::Limits,

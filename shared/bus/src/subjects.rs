@@ -78,6 +78,29 @@ impl Subjects {
         format!("{}.rejects.>", self.prefix)
     }
 
+    pub fn keyframes(&self, brand_id: i64, place_id: i64) -> String {
+        format!("{}.keyframes.{brand_id}.{place_id}", self.prefix)
+    }
+    pub fn keyframes_all(&self) -> String {
+        format!("{}.keyframes.>", self.prefix)
+    }
+    pub fn keyframes_filter(&self, brand_id: Option<i64>, place_id: Option<i64>) -> String {
+        let b = brand_id.map_or("*".to_string(), |b| b.to_string());
+        let p = place_id.map_or("*".to_string(), |p| p.to_string());
+        format!("{}.keyframes.{b}.{p}", self.prefix)
+    }
+    /// Core NATS request subject: publish a keyframe now (KeyframeRequest).
+    pub fn ctl_keyframe(&self) -> String {
+        format!("{}.ctl.keyframe", self.prefix)
+    }
+    /// Core NATS request subjects of the read API.
+    pub fn read(&self, what: &str) -> String {
+        format!("{}.read.{what}", self.prefix)
+    }
+
+    pub fn keyframes_stream(&self) -> String {
+        format!("{}_KEYFRAMES", self.stream_prefix)
+    }
     pub fn cmd_stream(&self) -> String {
         format!("{}_CMD", self.stream_prefix)
     }

@@ -9,6 +9,8 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/shelfsync.v1.rs"));
 }
 
+pub mod json;
+
 pub use prost::Message;
 pub use v1::*;
 
@@ -65,6 +67,7 @@ pub mod msg_type {
     pub const COMMAND_BATCH: &str = "shelfsync.v1.CommandBatch";
     pub const CHANGE_BATCH: &str = "shelfsync.v1.ChangeBatch";
     pub const REJECTION_BATCH: &str = "shelfsync.v1.RejectionBatch";
+    pub const KEYFRAME_BATCH: &str = "shelfsync.v1.KeyframeBatch";
 }
 
 impl RecordKey {

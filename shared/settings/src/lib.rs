@@ -149,6 +149,15 @@ pub struct StorageSettings {
     /// First delay of a nak after a transient failure (doubles up to 30 s).
     #[serde(with = "humantime_serde")]
     pub retry_delay: Duration,
+    /// When keyframes are published: a cron expression in UTC with seconds
+    /// (`sec min hour day-of-month month day-of-week`); empty disables.
+    pub keyframe_schedule: String,
+    /// Keyframes kept per place in the KEYFRAMES stream.
+    pub keyframes_kept: u32,
+    /// HTTP listen address of storage (read API, health).
+    pub http_listen: String,
+    /// Largest number of keys in one batch read, and of records in one page.
+    pub read_max_batch: usize,
 }
 
 impl Default for StorageSettings {
@@ -162,6 +171,10 @@ impl Default for StorageSettings {
             purge_interval: Duration::from_secs(60),
             ack_wait: Duration::from_secs(30),
             retry_delay: Duration::from_millis(500),
+            keyframe_schedule: "0 0 3 * * *".into(),
+            keyframes_kept: 2,
+            http_listen: "127.0.0.1:8081".into(),
+            read_max_batch: 1000,
         }
     }
 }
@@ -407,6 +420,21 @@ impl Settings {
                 ),
             ));
         }
+        if !s.keyframe_schedule.trim().is_empty() {
+            use std::str::FromStr;
+            cron::Schedule::from_str(&s.keyframe_schedule).map_err(|e| {
+                invalid(
+                    "storage.keyframe_schedule",
+                    format!("{e} (expected `sec min hour day month weekday`, UTC)"),
+                )
+            })?;
+        }
+        if s.keyframes_kept == 0 {
+            return Err(invalid("storage.keyframes_kept", "must be at least 1"));
+        }
+        if !(1..=10_000).contains(&s.read_max_batch) {
+            return Err(invalid("storage.read_max_batch", "must be between 1 and 10000"));
+        }
         if s.max_record_bytes < 1024 {
             return Err(invalid("storage.max_record_bytes", "must be at least 1024"));
         }
@@ -579,6 +607,7 @@ source = "https://partner.example/feed.json"
             ),
             ("[storage]\npartitions = \"many\"", "partitions"),
             ("[storage]\ntombstone_ttl = \"soon\"", "tombstone_ttl"),
+            ("[storage]\nkeyframe_schedule = \"nightly\"", "keyframe_schedule"),
             ("[nats]\nurl = \"nats://x\"\nbogus = 1", "bogus"),
         ];
         for (text, needle) in cases {

@@ -1,0 +1,302 @@
+//! Read API for current state (the "fetch" of a feature store): one record,
+//! a batch of records of one place, or a whole place page by page, answered
+//! from Redis. Protobuf over NATS request/reply (`<prefix>.read.get`,
+//! `.read.batch`, `.read.place`, queue group `storage-read` so any replica
+//! answers); JSON over HTTP with `data` and `state` decoded:
+//!
+//! - `GET  /v1/records/{brand}/{place}/{product}` → record, or 404
+//! - `POST /v1/records/{brand}/{place}` with `{"product_ids": [...]}` → `{records, missing}`
+//! - `GET  /v1/places/{brand}/{place}/records?cursor=C&limit=N` → `{records, next_cursor}`
+//! - `GET  /healthz`, `GET /readyz`
+//!
+//! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
+//! get a 400 (or a `ReadReply.error`) that says what is wrong.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use prost::Message;
+use serde::Deserialize;
+use serde_json::json;
+use shelfsync_bus::Subjects;
+use shelfsync_proto::json::record_to_json;
+use shelfsync_proto::{ReadReply, ReadRequest, Record};
+use shelfsync_settings::Settings;
+use tokio::sync::watch;
+use tracing::{error, warn};
+
+use crate::store::{Store, StoreError};
+
+/// Why a read was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("storage unavailable: {0}")]
+    Store(#[from] StoreError),
+}
+
+impl IntoResponse for ReadError {
+    fn into_response(self) -> Response {
+        let status = match &self {
+            ReadError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ReadError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        (status, Json(json!({ "error": self.to_string() }))).into_response()
+    }
+}
+
+/// The read side of storage; cheap to clone.
+#[derive(Clone)]
+pub struct ReadApi {
+    store: Store,
+    settings: Arc<Settings>,
+}
+
+fn check_product_id(id: &str) -> Result<(), ReadError> {
+    if id.is_empty() || id.len() > 512 {
+        return Err(ReadError::BadRequest(format!(
+            "product id must be 1 to 512 bytes, got {} bytes",
+            id.len()
+        )));
+    }
+    Ok(())
+}
+
+impl ReadApi {
+    pub fn new(store: Store, settings: Arc<Settings>) -> Self {
+        Self { store, settings }
+    }
+
+    fn partitions(&self) -> u32 {
+        self.settings.storage.partitions
+    }
+
+    pub async fn get(&self, brand: i64, place: i64, id: &str) -> Result<Option<Record>, ReadError> {
+        check_product_id(id)?;
+        Ok(self.store.get(self.partitions(), &shelfsync_proto::RecordKey::new(brand, place, id)).await?)
+    }
+
+    /// Records of one place in the order asked, and the ids that are missing.
+    pub async fn batch(
+        &self,
+        brand: i64,
+        place: i64,
+        ids: &[String],
+    ) -> Result<(Vec<Record>, Vec<String>), ReadError> {
+        let max = self.settings.storage.read_max_batch;
+        if ids.is_empty() {
+            return Err(ReadError::BadRequest("no product ids given".into()));
+        }
+        if ids.len() > max {
+            return Err(ReadError::BadRequest(format!(
+                "a batch of {} keys exceeds the limit of {max}",
+                ids.len()
+            )));
+        }
+        for id in ids {
+            check_product_id(id)?;
+        }
+        let found = self.store.get_many(self.partitions(), brand, place, ids).await?;
+        let mut records = Vec::new();
+        let mut missing = Vec::new();
+        for (id, r) in ids.iter().zip(found) {
+            match r {
+                Some(r) => records.push(r),
+                None => missing.push(id.clone()),
+            }
+        }
+        Ok((records, missing))
+    }
+
+    /// One page of a place's records; `next_cursor` 0 means done. A record
+    /// may rarely appear on two pages if the place is rehashed meanwhile.
+    pub async fn page(
+        &self,
+        brand: i64,
+        place: i64,
+        cursor: u64,
+        limit: usize,
+    ) -> Result<(Vec<Record>, u64), ReadError> {
+        let max = self.settings.storage.read_max_batch;
+        if limit == 0 || limit > max {
+            return Err(ReadError::BadRequest(format!("limit must be 1 to {max}, got {limit}")));
+        }
+        let partition = shelfsync_bus::partition_of(brand, place, self.partitions()).0;
+        Ok({
+            let (next, records) = self.store.scan_place(partition, brand, place, cursor, limit).await?;
+            (records, next)
+        })
+    }
+
+    async fn answer(&self, what: &str, payload: &[u8]) -> ReadReply {
+        let req = match ReadRequest::decode(payload) {
+            Ok(r) => r,
+            Err(e) => return ReadReply { error: format!("bad ReadRequest: {e}"), ..Default::default() },
+        };
+        let result = match what {
+            "get" => match req.product_ids.as_slice() {
+                [id] => self.get(req.brand_id, req.place_id, id).await.map(|r| match r {
+                    Some(r) => ReadReply { records: vec![r], ..Default::default() },
+                    None => ReadReply { missing: vec![id.clone()], ..Default::default() },
+                }),
+                ids => Err(ReadError::BadRequest(format!(
+                    "get takes exactly one product id, got {}",
+                    ids.len()
+                ))),
+            },
+            "batch" => self
+                .batch(req.brand_id, req.place_id, &req.product_ids)
+                .await
+                .map(|(records, missing)| ReadReply { records, missing, ..Default::default() }),
+            _ => {
+                let limit = if req.limit == 0 { 100 } else { req.limit as usize };
+                self.page(req.brand_id, req.place_id, req.cursor, limit).await.map(
+                    |(records, next_cursor)| ReadReply { records, next_cursor, ..Default::default() },
+                )
+            }
+        };
+        result.unwrap_or_else(|e| ReadReply { error: e.to_string(), ..Default::default() })
+    }
+
+    /// Serves the NATS subjects until `stop` flips.
+    pub async fn serve_nats(
+        self,
+        client: async_nats::Client,
+        subjects: Subjects,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let subscribe = |what: &'static str| {
+            let client = client.clone();
+            let subject = subjects.read(what);
+            async move {
+                client
+                    .queue_subscribe(subject, "storage-read".into())
+                    .await
+                    .map(|s| s.map(move |m| (what, m)))
+            }
+        };
+        let subs = futures::future::try_join3(subscribe("get"), subscribe("batch"), subscribe("place")).await;
+        let (a, b, c) = match subs {
+            Ok(s) => s,
+            Err(e) => {
+                error!(error = %e, "cannot subscribe to the read subjects");
+                return;
+            }
+        };
+        let mut all = futures::stream::select(futures::stream::select(a, b), c);
+        loop {
+            let (what, msg) = tokio::select! {
+                m = all.next() => match m { Some(m) => m, None => return },
+                _ = stop.changed() => return,
+            };
+            let Some(reply_to) = msg.reply.clone() else { continue };
+            let api = self.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let reply = api.answer(what, &msg.payload).await;
+                if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+                    warn!(error = %e, "cannot send read reply");
+                }
+            });
+        }
+    }
+
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/v1/records/{brand}/{place}/{product}", get(http_get))
+            .route("/v1/records/{brand}/{place}", post(http_batch))
+            .route("/v1/places/{brand}/{place}/records", get(http_page))
+            .with_state(self)
+    }
+
+    /// Serves HTTP on `listener` until `stop` flips.
+    pub async fn serve_http(self, listener: tokio::net::TcpListener, mut stop: watch::Receiver<bool>) {
+        let app = self.router();
+        let shutdown = async move {
+            let _ = stop.changed().await;
+        };
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+            error!(error = %e, "HTTP server failed");
+        }
+    }
+}
+
+fn parse_key(brand: &str, place: &str) -> Result<(i64, i64), ReadError> {
+    let n = |what: &str, v: &str| {
+        v.parse::<i64>()
+            .map_err(|_| ReadError::BadRequest(format!("{what} must be an integer, got {v:?}")))
+    };
+    Ok((n("brand", brand)?, n("place", place)?))
+}
+
+async fn readyz(State(api): State<ReadApi>) -> StatusCode {
+    let mut conn = api.store.conn();
+    let pong: Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
+    if pong.is_ok() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
+}
+
+async fn http_get(
+    State(api): State<ReadApi>,
+    Path((brand, place, product)): Path<(String, String, String)>,
+) -> Result<Response, ReadError> {
+    let (b, p) = parse_key(&brand, &place)?;
+    Ok(match api.get(b, p, &product).await? {
+        Some(r) => Json(record_to_json(&r)).into_response(),
+        None => (StatusCode::NOT_FOUND, Json(json!({"error": "record not found"}))).into_response(),
+    })
+}
+
+#[derive(Deserialize)]
+struct BatchBody {
+    product_ids: Vec<String>,
+}
+
+async fn http_batch(
+    State(api): State<ReadApi>,
+    Path((brand, place)): Path<(String, String)>,
+    body: Result<Json<BatchBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ReadError> {
+    let (b, p) = parse_key(&brand, &place)?;
+    let Json(body) = body.map_err(|e| ReadError::BadRequest(format!("body: {e}")))?;
+    let (records, missing) = api.batch(b, p, &body.product_ids).await?;
+    let records: Vec<_> = records.iter().map(record_to_json).collect();
+    Ok(Json(json!({ "records": records, "missing": missing })).into_response())
+}
+
+#[derive(Deserialize)]
+struct PageQuery {
+    #[serde(default)]
+    cursor: Option<String>,
+    #[serde(default)]
+    limit: Option<String>,
+}
+
+async fn http_page(
+    State(api): State<ReadApi>,
+    Path((brand, place)): Path<(String, String)>,
+    Query(q): Query<PageQuery>,
+) -> Result<Response, ReadError> {
+    let (b, p) = parse_key(&brand, &place)?;
+    let num = |what: &str, v: Option<String>, default: u64| -> Result<u64, ReadError> {
+        match v {
+            None => Ok(default),
+            Some(s) => s
+                .parse()
+                .map_err(|_| ReadError::BadRequest(format!("{what} must be a non-negative integer"))),
+        }
+    };
+    let cursor = num("cursor", q.cursor, 0)?;
+    let limit = num("limit", q.limit, 100)? as usize;
+    let (records, next) = api.page(b, p, cursor, limit).await?;
+    let records: Vec<_> = records.iter().map(record_to_json).collect();
+    // The cursor is a string: 64-bit values lose precision in JavaScript.
+    Ok(Json(json!({ "records": records, "next_cursor": next.to_string() })).into_response())
+}
