@@ -33,6 +33,8 @@ pub struct App {
 /// Sends keyframe jobs to the workers of this replica.
 #[derive(Clone)]
 struct Keyframer {
+    js: async_nats::jetstream::Context,
+    changes_stream: String,
     replica: u32,
     partitions: u32,
     workers: Vec<(Partition, mpsc::Sender<KeyframeJob>)>,
@@ -56,10 +58,20 @@ impl Keyframer {
         if targets.is_empty() {
             return None;
         }
+        // Consumers bootstrapping from this run read changes after this point.
+        let changes_seq = match self.js.get_stream(&self.changes_stream).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.last_sequence).unwrap_or(0),
+            Err(_) => 0,
+        };
         let (tx, rx) = oneshot::channel();
         let progress = JobProgress::new(keyframe_id.clone(), self.replica, targets.len(), Some(tx));
         for (_, worker) in targets {
-            let job = KeyframeJob { keyframe_id: keyframe_id.clone(), place, progress: progress.clone() };
+            let job = KeyframeJob {
+                keyframe_id: keyframe_id.clone(),
+                changes_seq,
+                place,
+                progress: progress.clone(),
+            };
             if worker.send(job).await.is_err() {
                 progress.worker_done(Some("worker stopped".into())).await;
             }
@@ -110,6 +122,8 @@ impl App {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
         let mut keyframer = Keyframer {
+            js: self.js.clone(),
+            changes_stream: subjects.changes_stream(),
             replica: self.settings.storage.replica,
             partitions: self.settings.storage.partitions,
             workers: Vec::new(),

@@ -29,6 +29,8 @@ const SCAN_COUNT: usize = 1000;
 /// One keyframe request as a worker sees it.
 pub struct KeyframeJob {
     pub keyframe_id: String,
+    /// CHANGES stream's last sequence when the run started.
+    pub changes_seq: u64,
     /// `None`: every place of the partition.
     pub place: Option<(i64, i64)>,
     pub progress: Arc<JobProgress>,
@@ -114,6 +116,7 @@ impl Worker {
     pub(crate) async fn snapshot_place(
         &self,
         keyframe_id: &str,
+        changes_seq: u64,
         brand_id: i64,
         place_id: i64,
         publisher: &mut Publisher,
@@ -123,15 +126,8 @@ impl Worker {
         // The outbox is drained after every message, so every change of this
         // place up to `command_seq` is already in the CHANGES stream.
         let command_seq = self.store.applied_seq(partition).await?;
-        let changes_seq = self
-            .js
-            .get_stream(self.subjects.changes_stream())
-            .await?
-            .info()
-            .await?
-            .state
-            .last_sequence;
         let as_of = chrono::Utc::now().timestamp_micros();
+        let tombstone_cutoff = as_of - self.settings.storage.tombstone_ttl.as_micros() as i64;
         let subject = self.subjects.keyframes(brand_id, place_id);
         let mut digest = Digest::default();
         let mut seen = HashSet::new();
@@ -145,7 +141,9 @@ impl Worker {
                 self.store.scan_place(partition, brand_id, place_id, cursor, SCAN_COUNT).await?;
             for r in records {
                 let id = r.key.as_ref().map(|k| k.product_id.clone()).unwrap_or_default();
-                if !seen.insert(id.clone()) {
+                // Rehashing can repeat a field across HSCAN steps; expired
+                // tombstones are as good as purged.
+                if !seen.insert(id.clone()) || (r.deleted && r.updated_at < tombstone_cutoff) {
                     continue;
                 }
                 digest.add(&id, r.updated_at);
@@ -160,6 +158,8 @@ impl Worker {
                         as_of,
                         command_seq,
                         changes_seq,
+                        first_seq: first_seq.unwrap_or(0),
+                        tombstone_cutoff,
                         ..Default::default()
                     };
                     let seq = self.publish_keyframe(&subject, batch, publisher).await?;
@@ -187,6 +187,8 @@ impl Worker {
             as_of,
             command_seq,
             changes_seq,
+            first_seq: first_seq.unwrap_or(0),
+            tombstone_cutoff,
         };
         let seq = self.publish_keyframe(&subject, last, publisher).await?;
         let first_seq = first_seq.unwrap_or(seq);
@@ -202,6 +204,7 @@ impl Worker {
                 total: digest.count,
                 digest: digest.sum,
                 as_of,
+                tombstone_cutoff,
             }),
             ..Default::default()
         };

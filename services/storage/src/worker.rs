@@ -51,6 +51,7 @@ pub struct Worker {
 /// One place waiting for its keyframe in this worker.
 struct PlaceSnapshot {
     keyframe_id: String,
+    changes_seq: u64,
     brand_id: i64,
     place_id: i64,
     progress: std::sync::Arc<crate::keyframe::JobProgress>,
@@ -158,6 +159,7 @@ impl Worker {
         for (i, (b, p)) in places.into_iter().enumerate() {
             queue.push_back(PlaceSnapshot {
                 keyframe_id: job.keyframe_id.clone(),
+                changes_seq: job.changes_seq,
                 brand_id: b,
                 place_id: p,
                 progress: job.progress.clone(),
@@ -168,7 +170,7 @@ impl Worker {
 
     async fn run_snapshot(&self, s: PlaceSnapshot, publisher: &mut Publisher) {
         let started = std::time::Instant::now();
-        match self.snapshot_place(&s.keyframe_id, s.brand_id, s.place_id, publisher).await {
+        match self.snapshot_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher).await {
             Ok(records) => s.progress.place_done(records),
             Err(e) => {
                 warn!(

@@ -129,6 +129,8 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
             description: Some("shelfsync keyframes: consistent per-place snapshots".into()),
+            // Consumers read a place's latest keyframe back with direct gets.
+            allow_direct: true,
             ..base(s.keyframes_stream(), vec![s.keyframes_all()])
         },
         stream::Config {
@@ -176,4 +178,36 @@ pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(
         }
     }
     Ok(())
+}
+
+/// Asks storage for a keyframe now — of every place (`place = None`) or of
+/// one — and waits for the replies of `replicas` storage replicas (one for a
+/// single place). Returns the replies received before `timeout`.
+pub async fn request_keyframe(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    place: Option<(i64, i64)>,
+    replicas: u32,
+    timeout: Duration,
+) -> Result<Vec<shelfsync_proto::KeyframeReply>, async_nats::Error> {
+    use futures::StreamExt;
+    use prost::Message;
+    let inbox = client.new_inbox();
+    let mut sub = client.subscribe(inbox.clone()).await?;
+    let (brand_id, place_id) = place.unwrap_or((0, 0));
+    let req = shelfsync_proto::KeyframeRequest { keyframe_id: String::new(), brand_id, place_id };
+    client.publish_with_reply(subjects.ctl_keyframe(), inbox, req.encode_to_vec().into()).await?;
+    client.flush().await?;
+    let want = if place.is_some() { 1 } else { replicas.max(1) as usize };
+    let mut replies = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    while replies.len() < want {
+        match tokio::time::timeout_at(deadline, sub.next()).await {
+            Ok(Some(msg)) => {
+                replies.push(shelfsync_proto::KeyframeReply::decode(msg.payload.as_ref())?);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    Ok(replies)
 }

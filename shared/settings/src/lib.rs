@@ -29,7 +29,7 @@ fn invalid(key: impl Into<String>, reason: impl Into<String>) -> SettingsError {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     pub nats: NatsSettings,
@@ -294,19 +294,6 @@ fn all_fields() -> Vec<String> {
 
 fn yes() -> bool {
     true
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            nats: NatsSettings::default(),
-            redis: RedisSettings::default(),
-            storage: StorageSettings::default(),
-            ingest: IngestSettings::default(),
-            telemetry: TelemetrySettings::default(),
-            partners: Vec::new(),
-        }
-    }
 }
 
 const KNOWN_FIELDS: [&str; 8] = [

@@ -1,0 +1,413 @@
+//! The ChangeFeed kit (DESIGN §5): what every consumer of shelfsync changes
+//! uses, and what a new service starts from.
+//!
+//! A service implements [`Handler`] (apply a slice of [`Update`]s, forget a
+//! place) and runs a [`ChangeFeed`]. The kit:
+//!
+//! - **bootstraps** from the latest complete keyframe of every place in its
+//!   filter (asking storage for one when none exists), then tails the change
+//!   stream from where the oldest keyframe run started — no gap;
+//! - **applies idempotently**: a record version is delivered only if its
+//!   `updated_at` is newer than the one delivered before — no double apply,
+//!   whatever JetStream redelivers;
+//! - keeps a **digest per place** and compares it at every keyframe marker in
+//!   the change stream; a drifted place is **resynced** from that keyframe;
+//! - **acks after** the handler succeeded; a [`HandlerError::Transient`]
+//!   naks with a delay, a [`HandlerError::Poison`] terminates the message;
+//! - stops cleanly when the shutdown future resolves (the batch in hand is
+//!   finished and acked).
+//!
+//! Modules: `state` (pure bookkeeping), `keyframes` (reading snapshots back),
+//! `update` (typed access). It never touches Redis.
+#![forbid(unsafe_code)]
+
+pub mod keyframes;
+pub mod state;
+pub mod update;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer};
+use futures::StreamExt;
+use prost::Message;
+use shelfsync_bus::Subjects;
+use shelfsync_proto::ChangeBatch;
+use shelfsync_settings::Settings;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+pub use keyframes::KeyframeReader;
+pub use state::{Check, FeedState, Place};
+pub use update::{Update, UpdateKind, is_live, is_offered, is_visible, product_of, state_of};
+
+/// Why the feed stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedError {
+    #[error("nats: {0}")]
+    Nats(String),
+    #[error("corrupt message: {0}")]
+    Corrupt(String),
+    #[error("handler failed during bootstrap: {0}")]
+    Bootstrap(String),
+}
+
+/// What a handler says when it cannot apply updates.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// Retry later (a dependency is down): the message is redelivered.
+    #[error("transient: {0}")]
+    Transient(String),
+    /// Never going to work: the message is terminated and counted.
+    #[error("poison: {0}")]
+    Poison(String),
+}
+
+/// A consumer of record updates.
+pub trait Handler: Send {
+    /// Applies updates, in order. Called with the changes of one message,
+    /// or with one keyframe part. Must be idempotent per record version.
+    fn apply(&mut self, updates: &[Update]) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Forgets everything about a place (a keyframe of it follows).
+    fn reset_place(
+        &mut self,
+        brand_id: i64,
+        place_id: i64,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// How a feed starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bootstrap {
+    /// Load the latest keyframes, then tail from where they were taken. The
+    /// durable consumer is recreated at every start (state is in memory).
+    Keyframe,
+    /// No snapshot: resume the durable consumer (new changes only when it is
+    /// created). For stateless services whose replicas share one consumer.
+    Resume,
+}
+
+#[derive(Debug, Clone)]
+pub struct FeedConfig {
+    /// Durable consumer name: one per service (and per instance when
+    /// bootstrapping from keyframes).
+    pub name: String,
+    pub brand: Option<i64>,
+    pub place: Option<i64>,
+    pub bootstrap: Bootstrap,
+    /// Ask storage for a keyframe when a bootstrap finds none.
+    pub request_keyframe_if_missing: bool,
+    pub ack_wait: Duration,
+    /// Messages in flight to this consumer.
+    pub max_ack_pending: i64,
+}
+
+impl FeedConfig {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            brand: None,
+            place: None,
+            bootstrap: Bootstrap::Keyframe,
+            request_keyframe_if_missing: true,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 1000,
+        }
+    }
+}
+
+/// Counters a service exposes (readiness, metrics, tests).
+#[derive(Debug, Default)]
+pub struct FeedStatus {
+    pub bootstrapped: AtomicBool,
+    /// Records delivered to the handler (snapshot ones included).
+    pub delivered: AtomicU64,
+    /// Changes skipped as not newer than what was delivered.
+    pub duplicates: AtomicU64,
+    pub keyframe_checks: AtomicU64,
+    pub drift_repairs: AtomicU64,
+    pub poison: AtomicU64,
+    /// CHANGES stream sequence of the last message handled.
+    pub position: AtomicU64,
+}
+
+impl FeedStatus {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+/// A running subscription to the change stream.
+pub struct ChangeFeed {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    subjects: Subjects,
+    replicas: u32,
+    cfg: FeedConfig,
+    state: FeedState,
+    status: Arc<FeedStatus>,
+}
+
+impl ChangeFeed {
+    pub fn new(client: async_nats::Client, settings: &Settings, cfg: FeedConfig) -> Self {
+        Self {
+            js: shelfsync_bus::jetstream(client.clone(), &settings.nats),
+            client,
+            subjects: Subjects::new(&settings.nats.prefix),
+            replicas: settings.storage.replicas,
+            cfg,
+            state: FeedState::default(),
+            status: Arc::default(),
+        }
+    }
+
+    pub fn status(&self) -> Arc<FeedStatus> {
+        self.status.clone()
+    }
+
+    /// Bootstraps (per the config), then applies changes until `shutdown`
+    /// resolves. Run again after a stop, it resumes where it stopped with
+    /// the state it had (no second bootstrap).
+    pub async fn run<H: Handler>(
+        &mut self,
+        handler: &mut H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), FeedError> {
+        let resuming = self.status.bootstrapped.load(Ordering::SeqCst);
+        let start = match self.cfg.bootstrap {
+            Bootstrap::Keyframe if !resuming => Some(self.bootstrap(handler).await?),
+            _ => None,
+        };
+        let consumer = self.consumer(start).await?;
+        self.status.bootstrapped.store(true, Ordering::SeqCst);
+        info!(
+            feed = %self.cfg.name,
+            records = self.state.len(),
+            places = self.state.places(),
+            start = ?start,
+            "change feed live"
+        );
+        let mut messages =
+            consumer.messages().await.map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
+        tokio::pin!(shutdown);
+        loop {
+            let msg = tokio::select! {
+                _ = &mut shutdown => break,
+                m = messages.next() => match m {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => {
+                        warn!(feed = %self.cfg.name, error = %e, "pull failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                    None => break,
+                },
+            };
+            self.handle(msg, handler).await;
+        }
+        Ok(())
+    }
+
+    /// Loads the latest keyframe of every place; returns the CHANGES stream
+    /// sequence to tail from.
+    async fn bootstrap<H: Handler>(&mut self, handler: &mut H) -> Result<u64, FeedError> {
+        let reader = KeyframeReader::new(&self.js, self.subjects.clone()).await?;
+        let mut places = reader.places(self.cfg.brand, self.cfg.place).await?;
+        if places.is_empty() && self.cfg.request_keyframe_if_missing {
+            info!(feed = %self.cfg.name, "no keyframe yet: asking storage for one");
+            let place = self.cfg.brand.zip(self.cfg.place);
+            shelfsync_bus::request_keyframe(
+                &self.client,
+                &self.subjects,
+                place,
+                self.replicas,
+                Duration::from_secs(600),
+            )
+            .await
+            .map_err(|e| FeedError::Nats(format!("keyframe request: {e}")))?;
+            places = reader.places(self.cfg.brand, self.cfg.place).await?;
+        }
+        let mut start: Option<u64> = None;
+        for (b, p) in places {
+            let Some(latest) = reader.latest(b, p).await? else { continue };
+            let seq = latest.last.changes_seq;
+            self.load_keyframe(&reader, &latest, handler)
+                .await
+                .map_err(|e| FeedError::Bootstrap(e.to_string()))?;
+            start = Some(start.map_or(seq, |s| s.min(seq)));
+        }
+        Ok(start.unwrap_or(0))
+    }
+
+    /// Replaces a place with a keyframe of it.
+    async fn load_keyframe<H: Handler>(
+        &mut self,
+        reader: &KeyframeReader,
+        latest: &keyframes::LatestKeyframe,
+        handler: &mut H,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let place = (latest.last.brand_id, latest.last.place_id);
+        handler.reset_place(place.0, place.1).await?;
+        self.state.reset_place(place);
+        let mut parts = reader.parts(latest);
+        while let Some(part) = parts.next().await? {
+            let updates: Vec<Update> = part.records.into_iter().filter_map(Update::from_snapshot).collect();
+            handler.apply(&updates).await?;
+            for u in &updates {
+                self.state.record(place, &u.key.product_id, u.after.updated_at, u.after.deleted);
+            }
+            self.status.delivered.fetch_add(updates.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    async fn consumer(
+        &self,
+        start: Option<u64>,
+    ) -> Result<consumer::Consumer<consumer::pull::Config>, FeedError> {
+        let stream = self
+            .js
+            .get_stream(self.subjects.changes_stream())
+            .await
+            .map_err(|e| FeedError::Nats(format!("changes stream: {e}")))?;
+        let mut config = consumer::pull::Config {
+            durable_name: Some(self.cfg.name.clone()),
+            filter_subject: self.subjects.changes_filter(self.cfg.brand, self.cfg.place),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: self.cfg.ack_wait,
+            max_ack_pending: self.cfg.max_ack_pending,
+            ..Default::default()
+        };
+        let err = |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.cfg.name));
+        match start {
+            Some(seq) => {
+                // State is rebuilt from keyframes at every start: the old
+                // position means nothing now.
+                let _ = stream.delete_consumer(&self.cfg.name).await;
+                config.deliver_policy = if seq == 0 {
+                    consumer::DeliverPolicy::All
+                } else {
+                    consumer::DeliverPolicy::ByStartSequence { start_sequence: seq + 1 }
+                };
+                // An instance that disappears leaves no consumer behind.
+                config.inactive_threshold = Duration::from_secs(3600);
+                stream.create_consumer(config).await.map_err(|e| err(&e))
+            }
+            None => {
+                config.deliver_policy = consumer::DeliverPolicy::New;
+                if self.cfg.bootstrap == Bootstrap::Keyframe {
+                    config.inactive_threshold = Duration::from_secs(3600);
+                }
+                stream.get_or_create_consumer(&self.cfg.name, config).await.map_err(|e| err(&e))
+            }
+        }
+    }
+
+    async fn handle<H: Handler>(&mut self, msg: jetstream::Message, handler: &mut H) {
+        if let Ok(info) = msg.info() {
+            self.status.position.store(info.stream_sequence, Ordering::Relaxed);
+        }
+        let span = info_span!("feed.process", feed = %self.cfg.name, subject = %msg.subject);
+        let result = self.handle_inner(&msg, handler).instrument(span).await;
+        let ack = match result {
+            Ok(()) => msg.ack().await,
+            Err(HandlerError::Transient(e)) => {
+                warn!(feed = %self.cfg.name, error = %e, "handler failed; will retry");
+                msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await
+            }
+            Err(HandlerError::Poison(e)) => {
+                warn!(feed = %self.cfg.name, subject = %msg.subject, error = %e, "poison message dropped");
+                self.status.poison.fetch_add(1, Ordering::Relaxed);
+                msg.ack_with(AckKind::Term).await
+            }
+        };
+        if let Err(e) = ack {
+            debug!(error = %e, "ack failed (the message will be redelivered and skipped)");
+        }
+    }
+
+    async fn handle_inner<H: Handler>(
+        &mut self,
+        msg: &jetstream::Message,
+        handler: &mut H,
+    ) -> Result<(), HandlerError> {
+        let batch = ChangeBatch::decode(msg.payload.as_ref())
+            .map_err(|e| HandlerError::Poison(format!("not a ChangeBatch: {e}")))?;
+        if let Some(mark) = &batch.keyframe {
+            let Some(place) = place_of_subject(&msg.subject) else {
+                return Err(HandlerError::Poison(format!("bad change subject {}", msg.subject)));
+            };
+            self.status.keyframe_checks.fetch_add(1, Ordering::Relaxed);
+            if let Check::Drift { ours, theirs } = self.state.check(place, mark) {
+                warn!(
+                    feed = %self.cfg.name, brand_id = place.0, place_id = place.1,
+                    ours = ?ours, keyframe = ?theirs, keyframe_id = %mark.keyframe_id,
+                    "place drifted from its keyframe: resyncing"
+                );
+                self.resync(place, &mark.keyframe_id, handler).await?;
+            }
+            return Ok(());
+        }
+        // Only versions newer than what was delivered (also within the batch).
+        let mut updates: Vec<Update> = Vec::with_capacity(batch.changes.len());
+        let mut seen_here: std::collections::HashMap<(i64, i64, &str), i64> = Default::default();
+        for c in &batch.changes {
+            let Some(u) = Update::from_change(c) else { continue };
+            let id = c.key.as_ref().map_or("", |k| k.product_id.as_str());
+            let at = u.after.updated_at;
+            let k = (u.key.brand_id, u.key.place_id, id);
+            let newer = seen_here.get(&k).map_or_else(|| self.state.is_newer(u.place(), id, at), |&prev| at > prev);
+            if newer {
+                seen_here.insert(k, at);
+                updates.push(u);
+            } else {
+                self.status.duplicates.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if updates.is_empty() {
+            return Ok(());
+        }
+        handler.apply(&updates).await?;
+        for u in &updates {
+            self.state.record(u.place(), &u.key.product_id, u.after.updated_at, u.after.deleted);
+        }
+        self.status.delivered.fetch_add(updates.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn resync<H: Handler>(
+        &mut self,
+        place: Place,
+        keyframe_id: &str,
+        handler: &mut H,
+    ) -> Result<(), HandlerError> {
+        let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
+        let reader = KeyframeReader::new(&self.js, self.subjects.clone()).await.map_err(|e| transient(&e))?;
+        let Some(latest) = reader.latest(place.0, place.1).await.map_err(|e| transient(&e))? else {
+            return Ok(());
+        };
+        if latest.last.keyframe_id != keyframe_id {
+            // A newer keyframe exists: its own marker comes later.
+            return Ok(());
+        }
+        self.load_keyframe(&reader, &latest, handler).await.map_err(|e| transient(&e))?;
+        self.status.drift_repairs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// `(brand, place)` from `<prefix>.changes.<brand>.<place>`.
+fn place_of_subject(subject: &str) -> Option<Place> {
+    let mut t = subject.rsplit('.');
+    let p = t.next()?.parse().ok()?;
+    let b = t.next()?.parse().ok()?;
+    Some((b, p))
+}
+
+impl From<FeedError> for HandlerError {
+    fn from(e: FeedError) -> Self {
+        HandlerError::Transient(e.to_string())
+    }
+}

@@ -1,0 +1,198 @@
+//! The ChangeFeed kit against real servers: bootstrap from a keyframe while
+//! writes continue, and repair of a consumer that missed changes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
+use shelfsync_proto::Record;
+use shelfsync_testkit::TestEnv;
+use shelfsync_tests::*;
+
+const BRAND: i64 = 7;
+
+type Key = (i64, i64, String);
+
+/// A consumer that mirrors storage's records: the simplest possible service.
+#[derive(Clone, Default)]
+struct Replica {
+    records: Arc<Mutex<HashMap<Key, Record>>>,
+}
+
+impl Handler for Replica {
+    async fn apply(&mut self, updates: &[Update]) -> Result<(), HandlerError> {
+        let mut m = self.records.lock().expect("lock");
+        for u in updates {
+            let k = (u.key.brand_id, u.key.place_id, u.key.product_id.clone());
+            m.insert(k, u.after.clone());
+        }
+        Ok(())
+    }
+
+    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
+        self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
+        Ok(())
+    }
+}
+
+type Running = (Arc<FeedStatus>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<ChangeFeed>);
+
+fn start_feed(h: &Harness, name: &str, replica: Replica) -> Running {
+    run_feed(ChangeFeed::new(h.client.clone(), &h.settings, FeedConfig::new(name)), replica)
+}
+
+/// Runs `feed` until the sender fires; the task hands the feed back.
+fn run_feed(mut feed: ChangeFeed, replica: Replica) -> Running {
+    let status = feed.status();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let mut handler = replica;
+        feed.run(&mut handler, async move {
+            let _ = rx.await;
+        })
+        .await
+        .expect("feed runs");
+        feed
+    });
+    (status, tx, task)
+}
+
+/// Every record of storage in the places, compared with the replica.
+async fn assert_replica_equals_storage(h: &Harness, replica: &Replica, places: &[i64]) {
+    let mut expected = HashMap::new();
+    for &p in places {
+        for r in h.store.place_records(h.settings.storage.partitions, BRAND, p).await.expect("scan") {
+            let k = r.key.clone().expect("key");
+            expected.insert((k.brand_id, k.place_id, k.product_id), r);
+        }
+    }
+    let got = replica.records.lock().expect("lock").clone();
+    assert_eq!(got.len(), expected.len(), "record count");
+    for (k, want) in &expected {
+        let have = got.get(k).unwrap_or_else(|| panic!("replica misses {k:?}"));
+        assert_eq!(have.updated_at, want.updated_at, "{k:?}");
+        assert_eq!(have.data, want.data, "{k:?}");
+        assert_eq!(have.absent, want.absent, "{k:?}");
+    }
+}
+
+async fn write(h: &Harness, places: &[i64], items: usize, price_base: i64) {
+    let mut cmds = Vec::new();
+    for &p in places {
+        for i in 0..items {
+            cmds.push(patch(BRAND, p, &format!("sku-{i}"), &product("t", price_base + i as i64, 1), 0));
+            if cmds.len() == 500 {
+                h.send(std::mem::take(&mut cmds)).await.expect("send");
+            }
+        }
+    }
+    h.send(cmds).await.expect("send");
+}
+
+#[tokio::test]
+async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage() {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    let places = [1, 2, 3, 4];
+    write(&h, &places, 2500, 100).await; // 10k records
+    h.wait_settled().await;
+
+    // Writes keep coming while the consumer bootstraps.
+    let writer = {
+        let settings = h.settings.clone();
+        tokio::spawn(async move {
+            let h = Harness::connect(settings).await.expect("writer");
+            for round in 0..5 {
+                write(&h, &places, 400, 1000 * (round + 1)).await;
+            }
+        })
+    };
+    let replica = Replica::default();
+    let (status, stop, task) = start_feed(&h, "test-bootstrap", replica.clone());
+    writer.await.expect("writer");
+    h.wait_settled().await;
+    eventually(Duration::from_secs(30), "the consumer caught up", || async {
+        let last = h
+            .js
+            .get_stream(h.subjects.changes_stream())
+            .await
+            .expect("stream")
+            .info()
+            .await
+            .map(|i| i.state.last_sequence)
+            .unwrap_or(0);
+        status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
+            && FeedStatus::get(&status.position) >= last
+    })
+    .await;
+    assert_replica_equals_storage(&h, &replica, &places).await;
+    // The keyframe the consumer asked for was used, and nothing needed repair.
+    assert_eq!(FeedStatus::get(&status.drift_repairs), 0);
+    let _ = stop.send(());
+    task.await.expect("feed stops cleanly");
+}
+
+#[tokio::test]
+async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    write(&h, &[1, 2], 300, 100).await;
+    h.wait_settled().await;
+
+    let replica = Replica::default();
+    let (status, stop, task) = start_feed(&h, "test-drift", replica.clone());
+    eventually(Duration::from_secs(30), "bootstrapped", || async {
+        status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+
+    // Lose messages before the consumer sees them: pause the feed, write,
+    // and delete the new change messages from the stream.
+    let _ = stop.send(());
+    let feed = task.await.expect("stopped");
+    let changes_last = |h: &Harness| {
+        let js = h.js.clone();
+        let name = h.subjects.changes_stream();
+        async move { js.get_stream(name).await.unwrap().info().await.unwrap().state.last_sequence }
+    };
+    let before = changes_last(&h).await;
+    write(&h, &[1], 10, 5000).await;
+    h.wait_settled().await;
+    let last = changes_last(&h).await;
+    let stream = h.js.get_stream(h.subjects.changes_stream()).await.unwrap();
+    for seq in before + 1..=last {
+        assert!(stream.delete_message(seq).await.unwrap(), "deleted #{seq}");
+    }
+    let fresh = h.get(BRAND, 1, "sku-0").await.unwrap().unwrap().updated_at;
+
+    // Resumed, the feed never sees the lost changes: the replica is stale.
+    let (status, stop, task) = run_feed(feed, replica.clone());
+    let stale = || replica.records.lock().unwrap().get(&(BRAND, 1, "sku-0".into())).map(|r| r.updated_at);
+    assert_ne!(stale(), Some(fresh), "the replica missed the change");
+
+    // The next keyframe's marker reveals the drift of place 1 (only) and
+    // repairs it.
+    let replies = shelfsync_bus::request_keyframe(&h.client, &h.subjects, None, 1, Duration::from_secs(30))
+        .await
+        .expect("keyframe");
+    assert_eq!(replies.len(), 1);
+    eventually(Duration::from_secs(30), "drift repaired", || async {
+        FeedStatus::get(&status.drift_repairs) == 1 && stale() == Some(fresh)
+    })
+    .await;
+    eventually(Duration::from_secs(10), "both markers checked", || async {
+        FeedStatus::get(&status.keyframe_checks) >= 4
+    })
+    .await;
+    assert_eq!(FeedStatus::get(&status.drift_repairs), 1, "place 2 did not drift");
+    assert_replica_equals_storage(&h, &replica, &[1, 2]).await;
+    let _ = stop.send(());
+    task.await.unwrap();
+}

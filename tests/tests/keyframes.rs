@@ -1,0 +1,424 @@
+//! Keyframes against real nats-server and redis-server (DESIGN §4): the parts,
+//! count and digest of an on-demand snapshot, one-place snapshots, where the
+//! marker sits in the change stream under live writes, the cron schedule and
+//! retention of old keyframes.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use async_nats::jetstream::consumer;
+use futures::StreamExt;
+use prost::Message;
+use shelfsync_bus::digest::Digest;
+use shelfsync_proto::{
+    ChangeBatch, Command, CommandKind, KeyframeBatch, KeyframeMark, KeyframeReply, KeyframeRequest,
+    Product, Record, RecordKey,
+};
+use shelfsync_settings::Settings;
+use shelfsync_testkit::TestEnv;
+use shelfsync_tests::*;
+
+const BRAND: i64 = 7;
+/// A keyframe of a few thousand records takes well under a second; this is
+/// only the point where a test gives up.
+const KEYFRAME_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Servers, harness and an in-process storage whose schedule is off unless
+/// `tune` turns it on.
+async fn start(tune: impl FnOnce(&mut Settings)) -> (TestEnv, Harness, InProcessStorage) {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    tune(&mut settings);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let storage = InProcessStorage::start(settings).await.expect("storage");
+    (env, h, storage)
+}
+
+fn sku(i: usize) -> String {
+    format!("sku-{i}")
+}
+
+/// Creates `n` records in each place, at most 1000 commands per message.
+async fn write_places(h: &Harness, places: &[i64], n: usize) {
+    let mut commands = Vec::new();
+    for &place in places {
+        for i in 0..n {
+            let p = product(&format!("item {i}"), 1000 + i as i64, (i % 5) as i64);
+            commands.push(patch(BRAND, place, &sku(i), &p, 0));
+        }
+    }
+    for chunk in commands.chunks(1000) {
+        h.send(chunk.to_vec()).await.expect("send");
+    }
+}
+
+/// One message as the stream holds it.
+struct Stored {
+    seq: u64,
+    payload: Vec<u8>,
+}
+
+/// Every message of `stream` on subjects matching `filter`, in stream order.
+async fn read_filtered(h: &Harness, stream: &str, filter: &str) -> anyhow::Result<Vec<Stored>> {
+    let stream = h.js.get_stream(stream).await?;
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy: consumer::DeliverPolicy::All,
+            filter_subject: filter.to_string(),
+            ..Default::default()
+        })
+        .await?;
+    let expected = consumer.cached_info().num_pending;
+    let mut out = Vec::new();
+    if expected == 0 {
+        return Ok(out);
+    }
+    let mut messages = consumer.messages().await?;
+    while (out.len() as u64) < expected {
+        let msg = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .context("reading stream timed out")?
+            .context("message stream ended")??;
+        let seq = msg.info().map_err(|e| anyhow::anyhow!("{e}"))?.stream_sequence;
+        out.push(Stored { seq, payload: msg.payload.to_vec() });
+    }
+    Ok(out)
+}
+
+/// The keyframes of one place on the KEYFRAMES stream, grouped by id in
+/// stream order, each with its parts in stream order.
+async fn keyframes_of(h: &Harness, brand: i64, place: i64) -> Vec<(String, Vec<KeyframeBatch>)> {
+    let raw = read_filtered(h, &h.subjects.keyframes_stream(), &h.subjects.keyframes(brand, place))
+        .await
+        .expect("read keyframes");
+    let mut out: Vec<(String, Vec<KeyframeBatch>)> = Vec::new();
+    for m in raw {
+        let b = KeyframeBatch::decode(m.payload.as_slice()).expect("KeyframeBatch decodes");
+        assert_eq!((b.brand_id, b.place_id), (brand, place), "keyframe part on the wrong subject");
+        match out.last_mut() {
+            Some((id, parts)) if *id == b.keyframe_id => parts.push(b),
+            _ => out.push((b.keyframe_id.clone(), vec![b])),
+        }
+    }
+    out
+}
+
+/// The messages on one place's change subject, decoded, with their sequence.
+async fn place_changes(h: &Harness, brand: i64, place: i64) -> Vec<(u64, ChangeBatch)> {
+    read_filtered(h, &h.subjects.changes_stream(), &h.subjects.changes(brand, place))
+        .await
+        .expect("read changes")
+        .into_iter()
+        .map(|m| (m.seq, ChangeBatch::decode(m.payload.as_slice()).expect("ChangeBatch decodes")))
+        .collect()
+}
+
+/// Checks the shape of one keyframe's parts and returns its records and its
+/// last part.
+fn check_parts(parts: &[KeyframeBatch]) -> (Vec<Record>, &KeyframeBatch) {
+    let first = parts.first().expect("a keyframe has at least one part");
+    let mut records = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        assert_eq!(p.part as usize, i, "parts numbered 0..n in stream order");
+        assert_eq!(p.last, i + 1 == parts.len(), "`last` set on the final part only (part {i})");
+        assert!(p.records.len() <= 1000, "part {i} holds {} records", p.records.len());
+        assert_eq!(
+            (&p.keyframe_id, p.as_of, p.command_seq, p.changes_seq),
+            (&first.keyframe_id, first.as_of, first.command_seq, first.changes_seq),
+            "parts of one keyframe describe the same snapshot"
+        );
+        records.extend(p.records.iter().cloned());
+    }
+    let last = parts.last().expect("non-empty");
+    assert_eq!(last.total as usize, records.len(), "total counts the records carried");
+    (records, last)
+}
+
+fn product_id(r: &Record) -> &str {
+    r.key.as_ref().map_or("", |k| k.product_id.as_str())
+}
+
+/// The digest as any consumer computes it (DESIGN §4).
+fn digest_of<'a>(items: impl IntoIterator<Item = (&'a str, i64)>) -> Digest {
+    let mut d = Digest::default();
+    for (id, updated_at) in items {
+        d.add(id, updated_at);
+    }
+    d
+}
+
+fn sorted(mut records: Vec<Record>) -> Vec<Record> {
+    records.sort_by(|a, b| product_id(a).cmp(product_id(b)));
+    records
+}
+
+async fn request_keyframe(h: &Harness, id: &str, brand: i64, place: i64) -> KeyframeReply {
+    let req = KeyframeRequest { keyframe_id: id.to_string(), brand_id: brand, place_id: place };
+    let request = async_nats::Request::new()
+        .payload(req.encode_to_vec().into())
+        .timeout(Some(KEYFRAME_TIMEOUT));
+    let msg = h
+        .client
+        .send_request(h.subjects.ctl_keyframe(), request)
+        .await
+        .expect("a keyframe reply");
+    let reply = KeyframeReply::decode(msg.payload.as_ref()).expect("KeyframeReply decodes");
+    assert!(reply.error.is_empty(), "keyframe failed: {}", reply.error);
+    reply
+}
+
+#[tokio::test]
+async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marker() {
+    let (_env, h, _storage) = start(|_| {}).await;
+    let places = [1, 2, 3];
+    write_places(&h, &places, 1500).await;
+    h.wait_settled().await;
+
+    let reply = request_keyframe(&h, "", 0, 0).await;
+    assert_eq!((reply.places, reply.records), (3, 4500), "{reply:?}");
+    assert!(!reply.keyframe_id.is_empty(), "storage names an unnamed keyframe");
+
+    let partitions = h.settings.storage.partitions;
+    for place in places {
+        let keyframes = keyframes_of(&h, BRAND, place).await;
+        assert_eq!(keyframes.len(), 1, "place {place}: one keyframe");
+        let (id, parts) = &keyframes[0];
+        assert_eq!(id, &reply.keyframe_id);
+        assert!(parts.len() >= 2, "1500 records cannot fit one part of ≤ 1000");
+        let (records, last) = check_parts(parts);
+
+        // Exactly storage's state: ids, data, state, flags, timestamps, generations.
+        let state = sorted(h.store.place_records(partitions, BRAND, place).await.expect("redis"));
+        assert_eq!(state.len(), 1500);
+        assert_eq!(sorted(records), state, "place {place}: keyframe differs from storage");
+        let d = digest_of(state.iter().map(|r| (product_id(r), r.updated_at)));
+        assert_eq!((last.total, last.digest), (d.count, d.sum), "place {place}: total/digest");
+        let partition = h.partition(BRAND, place).0;
+        assert_eq!(last.command_seq, h.store.applied_seq(partition).await.expect("redis"));
+
+        // The marker follows every change of the place, with the same numbers.
+        let changes = place_changes(&h, BRAND, place).await;
+        let ((marker_seq, marker), before) = changes.split_last().expect("changes of the place");
+        assert!(marker.changes.is_empty(), "a marker carries no changes");
+        let expected = KeyframeMark {
+            keyframe_id: reply.keyframe_id.clone(),
+            total: d.count,
+            digest: d.sum,
+            as_of: last.as_of,
+        };
+        assert_eq!(marker.keyframe.as_ref(), Some(&expected), "place {place}: marker");
+        assert!(before.iter().all(|(_, b)| b.keyframe.is_none()), "one marker per keyframe");
+        assert_eq!(before.iter().map(|(_, b)| b.changes.len()).sum::<usize>(), 1500);
+        let last_change_seq = before.last().map_or(0, |(s, _)| *s);
+        assert!(
+            last_change_seq <= last.changes_seq && last.changes_seq < *marker_seq,
+            "changes_seq {} must be at or after the place's last change ({last_change_seq}) \
+             and before its marker ({marker_seq})",
+            last.changes_seq
+        );
+    }
+}
+
+#[tokio::test]
+async fn one_place_keyframe_publishes_only_that_place() {
+    let (_env, h, _storage) = start(|_| {}).await;
+    write_places(&h, &[1, 2], 40).await;
+    h.wait_settled().await;
+
+    let reply = request_keyframe(&h, "bootstrap-1", BRAND, 2).await;
+    assert_eq!(reply.keyframe_id, "bootstrap-1", "a named keyframe keeps its name");
+    assert_eq!((reply.places, reply.records), (1, 40), "{reply:?}");
+
+    let all = read_filtered(&h, &h.subjects.keyframes_stream(), &h.subjects.keyframes_all())
+        .await
+        .expect("read keyframes");
+    for m in &all {
+        let b = KeyframeBatch::decode(m.payload.as_slice()).expect("decodes");
+        assert_eq!((b.brand_id, b.place_id), (BRAND, 2), "only the asked place is snapshotted");
+    }
+    let keyframes = keyframes_of(&h, BRAND, 2).await;
+    assert_eq!(keyframes.len(), 1);
+    let (records, last) = check_parts(&keyframes[0].1);
+    assert_eq!(records.len(), 40);
+    assert!(last.last && last.total == 40);
+
+    let marked = |changes: &[(u64, ChangeBatch)]| changes.iter().filter(|(_, b)| b.keyframe.is_some()).count();
+    assert_eq!(marked(&place_changes(&h, BRAND, 2).await), 1);
+    assert_eq!(marked(&place_changes(&h, BRAND, 1).await), 0, "no marker for the other place");
+}
+
+/// The key property: the marker sits exactly at the snapshot point, so a
+/// consumer that folds every change before it holds exactly the keyframe.
+#[tokio::test]
+async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
+    let (_env, h, _storage) = start(|_| {}).await;
+    let places = [1, 2, 3];
+    const ITEMS: usize = 300;
+    write_places(&h, &places, ITEMS).await;
+    h.wait_settled().await;
+    let initial = h.changes().await.expect("changes").len();
+    assert_eq!(initial, places.len() * ITEMS);
+
+    let h = Arc::new(h);
+    let stop = Arc::new(AtomicBool::new(false));
+    let sends = Arc::new(AtomicU64::new(0));
+    let writer = tokio::spawn({
+        let (h, stop, sends) = (h.clone(), stop.clone(), sends.clone());
+        async move {
+            let mut n = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                let mut batch = Vec::new();
+                for _ in 0..30 {
+                    n += 1;
+                    let place = places[n % places.len()];
+                    let id = sku((n * 7919) % ITEMS);
+                    // Prices always move; some records are created and some
+                    // deleted (and re-created later), so the set of ids moves too.
+                    let cmd = if n % 11 == 0 {
+                        patch(BRAND, place, &format!("live-{n}"), &product("new", n as i64, 1), 0)
+                    } else if n % 13 == 0 {
+                        Command {
+                            key: Some(RecordKey::new(BRAND, place, id)),
+                            kind: CommandKind::Delete as i32,
+                            ..Default::default()
+                        }
+                    } else {
+                        let price = Product { price: Some(100_000 + n as i64), ..Default::default() };
+                        patch(BRAND, place, &id, &price, 0)
+                    };
+                    batch.push(cmd);
+                }
+                h.send(batch).await?;
+                sends.fetch_add(1, Ordering::SeqCst);
+            }
+            anyhow::Ok(())
+        }
+    });
+
+    // Live writes are being applied before the keyframe is asked for ...
+    eventually(SETTLE, "live writes to reach the change stream", || async {
+        h.changes().await.is_ok_and(|c| c.len() > initial + 100)
+    })
+    .await;
+    let reply = request_keyframe(&h, "", 0, 0).await;
+    assert_eq!(reply.places, 3, "{reply:?}");
+    // ... and go on after it.
+    let at_reply = sends.load(Ordering::SeqCst);
+    eventually(SETTLE, "more live writes after the keyframe", || async {
+        sends.load(Ordering::SeqCst) >= at_reply + 10
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    writer.await.expect("writer task").expect("writer sends");
+    h.wait_settled().await;
+
+    let (mut live_before, mut live_after) = (0usize, 0usize);
+    let mut records_total = 0u64;
+    for place in places {
+        let keyframes = keyframes_of(&h, BRAND, place).await;
+        assert_eq!(keyframes.len(), 1, "place {place}");
+        let (records, last) = check_parts(&keyframes[0].1);
+        records_total += records.len() as u64;
+
+        let mut ids = HashSet::new();
+        for r in &records {
+            assert!(ids.insert(product_id(r).to_string()), "{} twice in the keyframe", product_id(r));
+            let now = h.get(BRAND, place, product_id(r)).await.expect("redis");
+            assert!(now.is_some(), "{} is in the keyframe but not in storage", product_id(r));
+        }
+
+        // Replay the place's change stream up to the marker.
+        let changes = place_changes(&h, BRAND, place).await;
+        let at = changes
+            .iter()
+            .position(|(_, b)| b.keyframe.as_ref().is_some_and(|k| k.keyframe_id == reply.keyframe_id))
+            .expect("the place's marker is on its change subject");
+        assert_eq!(changes.iter().filter(|(_, b)| b.keyframe.is_some()).count(), 1);
+        let mark = changes[at].1.keyframe.clone().expect("marker");
+        let mut replay: BTreeMap<String, i64> = BTreeMap::new();
+        let mut changes_before = 0;
+        for (_, b) in &changes[..at] {
+            for c in &b.changes {
+                let after = c.after.as_ref().expect("every change carries the record after");
+                let id = c.key.as_ref().expect("key").product_id.clone();
+                replay.insert(id, after.updated_at);
+                changes_before += 1;
+            }
+        }
+        live_before += changes_before - ITEMS;
+        live_after += changes[at + 1..].iter().map(|(_, b)| b.changes.len()).sum::<usize>();
+
+        let snapshot: BTreeMap<String, i64> =
+            records.iter().map(|r| (product_id(r).to_string(), r.updated_at)).collect();
+        let d = digest_of(replay.iter().map(|(id, at)| (id.as_str(), *at)));
+        assert_eq!(
+            replay.len(),
+            snapshot.len(),
+            "place {place}: replay up to the marker has {} records, the keyframe {}",
+            replay.len(),
+            snapshot.len()
+        );
+        assert!(replay == snapshot, "place {place}: replay up to the marker differs from the keyframe");
+        assert_eq!((mark.total, mark.digest), (d.count, d.sum), "place {place}: marker vs replay");
+        assert_eq!((last.total, last.digest), (d.count, d.sum), "place {place}: keyframe vs replay");
+    }
+    assert_eq!(reply.records, records_total);
+    assert!(live_before > 0, "no live write landed before the keyframe");
+    assert!(live_after > 0, "no live write landed after the keyframe");
+}
+
+#[tokio::test]
+async fn the_schedule_fires_without_a_request() {
+    let (_env, h, _storage) = start(|s| s.storage.keyframe_schedule = "*/2 * * * * *".into()).await;
+    write_places(&h, &[4], 3).await;
+    h.wait_settled().await;
+    eventually(Duration::from_secs(15), "a scheduled keyframe of place 4 with its 3 records", || async {
+        keyframes_of(&h, BRAND, 4)
+            .await
+            .iter()
+            .any(|(_, parts)| parts.last().is_some_and(|p| p.last && p.total == 3))
+    })
+    .await;
+    let keyframes = keyframes_of(&h, BRAND, 4).await;
+    let (id, parts) = keyframes
+        .iter()
+        .find(|(_, parts)| parts.last().is_some_and(|p| p.total == 3))
+        .expect("found above");
+    // Named after its tick: a whole even second.
+    let micros: i64 = id.strip_prefix("kf-").and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("id {id}"));
+    assert_eq!(micros % 2_000_000, 0, "tick of */2 s, got {id}");
+    let (records, last) = check_parts(parts);
+    let d = digest_of(records.iter().map(|r| (product_id(r), r.updated_at)));
+    assert_eq!((last.total, last.digest), (d.count, d.sum));
+}
+
+#[tokio::test]
+async fn only_the_newest_keyframes_of_a_place_are_kept() {
+    let (_env, h, _storage) = start(|s| s.storage.keyframes_kept = 2).await;
+    // Two parts per keyframe, so a purge must keep whole keyframes.
+    write_places(&h, &[1], 1200).await;
+    write_places(&h, &[2], 10).await;
+    h.wait_settled().await;
+
+    let first = request_keyframe(&h, "kf-r1", 0, 0).await;
+    assert_eq!(first.places, 2);
+    for id in ["kf-r2", "kf-r3", "kf-r4"] {
+        let reply = request_keyframe(&h, id, BRAND, 1).await;
+        assert_eq!((reply.places, reply.records), (1, 1200));
+    }
+
+    let kept = keyframes_of(&h, BRAND, 1).await;
+    let ids: Vec<&str> = kept.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(ids, ["kf-r3", "kf-r4"], "place 1 keeps its 2 newest keyframes");
+    for (_, parts) in &kept {
+        let (records, _) = check_parts(parts);
+        assert_eq!(records.len(), 1200, "kept keyframes are whole");
+    }
+    // Purging is per place: place 2's only keyframe stays.
+    let other: Vec<String> = keyframes_of(&h, BRAND, 2).await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(other, ["kf-r1"]);
+}
