@@ -101,7 +101,10 @@ impl StorageProcess {
     }
 
     /// Waits for the process to exit on its own (e.g. at a failpoint).
-    pub async fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait()? {
@@ -306,7 +309,12 @@ impl Harness {
         Ok(out)
     }
 
-    pub async fn get(&self, brand: i64, place: i64, product: &str) -> anyhow::Result<Option<Record>> {
+    pub async fn get(
+        &self,
+        brand: i64,
+        place: i64,
+        product: &str,
+    ) -> anyhow::Result<Option<Record>> {
         Ok(self
             .store
             .get(self.settings.storage.partitions, &RecordKey::new(brand, place, product))
@@ -355,4 +363,38 @@ pub fn now_us() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// A minimal HTTP/1.1 GET on loopback: `(status, body)`.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Ok((status, body))
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
 }

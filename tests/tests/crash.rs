@@ -31,16 +31,26 @@ async fn crash_at(failpoint: &str) {
             for chunk in (0..ITEMS).collect::<Vec<_>>().chunks(50) {
                 let cmds = chunk
                     .iter()
-                    .map(|&i| patch(BRAND, place, &format!("sku-{i}"), &product("t", price(round, i), 1), 0))
+                    .map(|&i| {
+                        patch(
+                            BRAND,
+                            place,
+                            &format!("sku-{i}"),
+                            &product("t", price(round, i), 1),
+                            0,
+                        )
+                    })
                     .collect();
                 h.send(cmds).await.expect("send");
             }
         }
     }
 
-    let mut doomed = StorageProcess::start(&settings, &[("SHELFSYNC_FAILPOINT", &format!("{failpoint}@4"))])
-        .expect("storage");
-    let status = doomed.wait_exit(Duration::from_secs(30)).await.expect("storage reaches the failpoint");
+    let mut doomed =
+        StorageProcess::start(&settings, &[("SHELFSYNC_FAILPOINT", &format!("{failpoint}@4"))])
+            .expect("storage");
+    let status =
+        doomed.wait_exit(Duration::from_secs(30)).await.expect("storage reaches the failpoint");
     assert!(!status.success(), "storage must have aborted at {failpoint}");
 
     let _storage = StorageProcess::start(&settings, &[]).expect("storage restart");
@@ -50,7 +60,15 @@ async fn crash_at(failpoint: &str) {
     if std::env::var("CRASH_DEBUG").is_ok() {
         for b in h.change_batches().await.unwrap() {
             let k = b.changes[0].key.clone().unwrap();
-            eprintln!("batch p{} seq{} part{} n={} first={:?} kind={}", b.partition, b.command_seq, b.part, b.changes.len(), k, b.changes[0].kind);
+            eprintln!(
+                "batch p{} seq{} part{} n={} first={:?} kind={}",
+                b.partition,
+                b.command_seq,
+                b.part,
+                b.changes.len(),
+                k,
+                b.changes[0].kind
+            );
         }
     }
     let expected_updates = PLACES.len() * ITEMS / 10;

@@ -36,7 +36,8 @@ impl Handler for Replica {
     }
 }
 
-type Running = (Arc<FeedStatus>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<ChangeFeed>);
+type Running =
+    (Arc<FeedStatus>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<ChangeFeed>);
 
 fn start_feed(h: &Harness, name: &str, replica: Replica) -> Running {
     run_feed(ChangeFeed::new(h.client.clone(), &h.settings, FeedConfig::new(name)), replica)
@@ -62,7 +63,8 @@ fn run_feed(mut feed: ChangeFeed, replica: Replica) -> Running {
 async fn assert_replica_equals_storage(h: &Harness, replica: &Replica, places: &[i64]) {
     let mut expected = HashMap::new();
     for &p in places {
-        for r in h.store.place_records(h.settings.storage.partitions, BRAND, p).await.expect("scan") {
+        for r in h.store.place_records(h.settings.storage.partitions, BRAND, p).await.expect("scan")
+        {
             let k = r.key.clone().expect("key");
             expected.insert((k.brand_id, k.place_id, k.product_id), r);
         }
@@ -81,7 +83,13 @@ async fn write(h: &Harness, places: &[i64], items: usize, price_base: i64) {
     let mut cmds = Vec::new();
     for &p in places {
         for i in 0..items {
-            cmds.push(patch(BRAND, p, &format!("sku-{i}"), &product("t", price_base + i as i64, 1), 0));
+            cmds.push(patch(
+                BRAND,
+                p,
+                &format!("sku-{i}"),
+                &product("t", price_base + i as i64, 1),
+                0,
+            ));
             if cmds.len() == 500 {
                 h.send(std::mem::take(&mut cmds)).await.expect("send");
             }
@@ -116,15 +124,14 @@ async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage()
     writer.await.expect("writer");
     h.wait_settled().await;
     eventually(Duration::from_secs(30), "the consumer caught up", || async {
-        let last = h
-            .js
-            .get_stream(h.subjects.changes_stream())
-            .await
-            .expect("stream")
-            .info()
-            .await
-            .map(|i| i.state.last_sequence)
-            .unwrap_or(0);
+        let last =
+            h.js.get_stream(h.subjects.changes_stream())
+                .await
+                .expect("stream")
+                .info()
+                .await
+                .map(|i| i.state.last_sequence)
+                .unwrap_or(0);
         status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
             && FeedStatus::get(&status.position) >= last
     })
@@ -174,14 +181,16 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
 
     // Resumed, the feed never sees the lost changes: the replica is stale.
     let (status, stop, task) = run_feed(feed, replica.clone());
-    let stale = || replica.records.lock().unwrap().get(&(BRAND, 1, "sku-0".into())).map(|r| r.updated_at);
+    let stale =
+        || replica.records.lock().unwrap().get(&(BRAND, 1, "sku-0".into())).map(|r| r.updated_at);
     assert_ne!(stale(), Some(fresh), "the replica missed the change");
 
     // The next keyframe's marker reveals the drift of place 1 (only) and
     // repairs it.
-    let replies = shelfsync_bus::request_keyframe(&h.client, &h.subjects, None, 1, Duration::from_secs(30))
-        .await
-        .expect("keyframe");
+    let replies =
+        shelfsync_bus::request_keyframe(&h.client, &h.subjects, None, 1, Duration::from_secs(30))
+            .await
+            .expect("keyframe");
     assert_eq!(replies.len(), 1);
     eventually(Duration::from_secs(30), "drift repaired", || async {
         FeedStatus::get(&status.drift_repairs) == 1 && stale() == Some(fresh)

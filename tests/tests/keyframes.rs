@@ -161,11 +161,8 @@ async fn request_keyframe(h: &Harness, id: &str, brand: i64, place: i64) -> Keyf
     let request = async_nats::Request::new()
         .payload(req.encode_to_vec().into())
         .timeout(Some(KEYFRAME_TIMEOUT));
-    let msg = h
-        .client
-        .send_request(h.subjects.ctl_keyframe(), request)
-        .await
-        .expect("a keyframe reply");
+    let msg =
+        h.client.send_request(h.subjects.ctl_keyframe(), request).await.expect("a keyframe reply");
     let reply = KeyframeReply::decode(msg.payload.as_ref()).expect("KeyframeReply decodes");
     assert!(reply.error.is_empty(), "keyframe failed: {}", reply.error);
     reply
@@ -246,7 +243,9 @@ async fn one_place_keyframe_publishes_only_that_place() {
     assert_eq!(records.len(), 40);
     assert!(last.last && last.total == 40);
 
-    let marked = |changes: &[(u64, ChangeBatch)]| changes.iter().filter(|(_, b)| b.keyframe.is_some()).count();
+    let marked = |changes: &[(u64, ChangeBatch)]| {
+        changes.iter().filter(|(_, b)| b.keyframe.is_some()).count()
+    };
     assert_eq!(marked(&place_changes(&h, BRAND, 2).await), 1);
     assert_eq!(marked(&place_changes(&h, BRAND, 1).await), 0, "no marker for the other place");
 }
@@ -287,7 +286,8 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
                             ..Default::default()
                         }
                     } else {
-                        let price = Product { price: Some(100_000 + n as i64), ..Default::default() };
+                        let price =
+                            Product { price: Some(100_000 + n as i64), ..Default::default() };
                         patch(BRAND, place, &id, &price, 0)
                     };
                     batch.push(cmd);
@@ -326,7 +326,11 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
 
         let mut ids = HashSet::new();
         for r in &records {
-            assert!(ids.insert(product_id(r).to_string()), "{} twice in the keyframe", product_id(r));
+            assert!(
+                ids.insert(product_id(r).to_string()),
+                "{} twice in the keyframe",
+                product_id(r)
+            );
             let now = h.get(BRAND, place, product_id(r)).await.expect("redis");
             assert!(now.is_some(), "{} is in the keyframe but not in storage", product_id(r));
         }
@@ -335,7 +339,9 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
         let changes = place_changes(&h, BRAND, place).await;
         let at = changes
             .iter()
-            .position(|(_, b)| b.keyframe.as_ref().is_some_and(|k| k.keyframe_id == reply.keyframe_id))
+            .position(|(_, b)| {
+                b.keyframe.as_ref().is_some_and(|k| k.keyframe_id == reply.keyframe_id)
+            })
             .expect("the place's marker is on its change subject");
         assert_eq!(changes.iter().filter(|(_, b)| b.keyframe.is_some()).count(), 1);
         let mark = changes[at].1.keyframe.clone().expect("marker");
@@ -362,9 +368,16 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
             replay.len(),
             snapshot.len()
         );
-        assert!(replay == snapshot, "place {place}: replay up to the marker differs from the keyframe");
+        assert!(
+            replay == snapshot,
+            "place {place}: replay up to the marker differs from the keyframe"
+        );
         assert_eq!((mark.total, mark.digest), (d.count, d.sum), "place {place}: marker vs replay");
-        assert_eq!((last.total, last.digest), (d.count, d.sum), "place {place}: keyframe vs replay");
+        assert_eq!(
+            (last.total, last.digest),
+            (d.count, d.sum),
+            "place {place}: keyframe vs replay"
+        );
     }
     assert_eq!(reply.records, records_total);
     assert!(live_before > 0, "no live write landed before the keyframe");
@@ -376,12 +389,16 @@ async fn the_schedule_fires_without_a_request() {
     let (_env, h, _storage) = start(|s| s.storage.keyframe_schedule = "*/2 * * * * *".into()).await;
     write_places(&h, &[4], 3).await;
     h.wait_settled().await;
-    eventually(Duration::from_secs(15), "a scheduled keyframe of place 4 with its 3 records", || async {
-        keyframes_of(&h, BRAND, 4)
-            .await
-            .iter()
-            .any(|(_, parts)| parts.last().is_some_and(|p| p.last && p.total == 3))
-    })
+    eventually(
+        Duration::from_secs(15),
+        "a scheduled keyframe of place 4 with its 3 records",
+        || async {
+            keyframes_of(&h, BRAND, 4)
+                .await
+                .iter()
+                .any(|(_, parts)| parts.last().is_some_and(|p| p.last && p.total == 3))
+        },
+    )
     .await;
     let keyframes = keyframes_of(&h, BRAND, 4).await;
     let (id, parts) = keyframes
@@ -389,7 +406,8 @@ async fn the_schedule_fires_without_a_request() {
         .find(|(_, parts)| parts.last().is_some_and(|p| p.total == 3))
         .expect("found above");
     // Named after its tick: a whole even second.
-    let micros: i64 = id.strip_prefix("kf-").and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("id {id}"));
+    let micros: i64 =
+        id.strip_prefix("kf-").and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("id {id}"));
     assert_eq!(micros % 2_000_000, 0, "tick of */2 s, got {id}");
     let (records, last) = check_parts(parts);
     let d = digest_of(records.iter().map(|r| (product_id(r), r.updated_at)));
@@ -419,6 +437,7 @@ async fn only_the_newest_keyframes_of_a_place_are_kept() {
         assert_eq!(records.len(), 1200, "kept keyframes are whole");
     }
     // Purging is per place: place 2's only keyframe stays.
-    let other: Vec<String> = keyframes_of(&h, BRAND, 2).await.into_iter().map(|(id, _)| id).collect();
+    let other: Vec<String> =
+        keyframes_of(&h, BRAND, 2).await.into_iter().map(|(id, _)| id).collect();
     assert_eq!(other, ["kf-r1"]);
 }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use prost::Message;
 use serde_json::{Value, json};
 use shelfsync_proto::json::record_to_json;
-use shelfsync_proto::{Command, CommandKind, Product, ReadReply, ReadRequest, Record, RecordKey, RecordState};
+use shelfsync_proto::{
+    Command, CommandKind, Product, ReadReply, ReadRequest, Record, RecordKey, RecordState,
+};
 use shelfsync_settings::Settings;
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
@@ -65,8 +67,9 @@ impl Api {
     async fn json(resp: reqwest::Response) -> (u16, Value) {
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.expect("body");
-        let value = serde_json::from_slice(&bytes)
-            .unwrap_or_else(|e| panic!("{status} body is not JSON ({e}): {}", String::from_utf8_lossy(&bytes)));
+        let value = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            panic!("{status} body is not JSON ({e}): {}", String::from_utf8_lossy(&bytes))
+        });
         (status, value)
     }
 
@@ -75,9 +78,12 @@ impl Api {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match self.h.client.request(self.h.subjects.read(what), payload.clone().into()).await {
-                Ok(msg) => return ReadReply::decode(msg.payload.as_ref()).expect("ReadReply decodes"),
+                Ok(msg) => {
+                    return ReadReply::decode(msg.payload.as_ref()).expect("ReadReply decodes");
+                }
                 Err(e)
-                    if e.kind() == async_nats::RequestErrorKind::NoResponders && Instant::now() < deadline =>
+                    if e.kind() == async_nats::RequestErrorKind::NoResponders
+                        && Instant::now() < deadline =>
                 {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -142,8 +148,9 @@ async fn http_all_pages(api: &Api, place: i64, limit: usize) -> (Vec<Value>, Vec
     let mut records = Vec::new();
     let mut sizes = Vec::new();
     for _ in 0..1000 {
-        let (status, body) =
-            api.get(&format!("/v1/places/{BRAND}/{place}/records?cursor={cursor}&limit={limit}")).await;
+        let (status, body) = api
+            .get(&format!("/v1/places/{BRAND}/{place}/records?cursor={cursor}&limit={limit}"))
+            .await;
         assert_eq!(status, 200, "{body}");
         let page = body["records"].as_array().expect("records array");
         sizes.push(page.len());
@@ -179,7 +186,10 @@ async fn http_point_read_decodes_the_record_and_explains_errors() {
     assert_eq!(body["data"]["price"], json!(0), "a price of 0 is a value: {body}");
     assert_eq!(body["data"]["stock"], json!(3));
     assert_eq!(body["data"]["currency"], "RUB");
-    assert_eq!(body["state"], json!({"hidden": false, "reasons": ["checked"], "decided_by": "validator"}));
+    assert_eq!(
+        body["state"],
+        json!({"hidden": false, "reasons": ["checked"], "decided_by": "validator"})
+    );
     assert_eq!((body["absent"].clone(), body["deleted"].clone()), (json!(false), json!(false)));
     assert_eq!(body["updated_at"], json!(stored.updated_at));
     assert_eq!(body["created_at"], json!(stored.created_at));
@@ -210,7 +220,8 @@ async fn http_batch_read_splits_found_and_missing_and_refuses_bad_bodies() {
     write_place(&api.h, 1, 2).await;
     api.h.wait_settled().await;
 
-    let (status, body) = api.post("/v1/records/7/1", r#"{"product_ids": ["sku-1", "nope", "sku-0"]}"#).await;
+    let (status, body) =
+        api.post("/v1/records/7/1", r#"{"product_ids": ["sku-1", "nope", "sku-0"]}"#).await;
     assert_eq!(status, 200, "{body}");
     let expected = json!([
         record_to_json(&api.stored(1, "sku-1").await.expect("stored")),
@@ -224,7 +235,8 @@ async fn http_batch_read_splits_found_and_missing_and_refuses_bad_bodies() {
     let (status, body) = api.post("/v1/records/7/1", five).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["missing"].as_array().map(Vec::len), Some(4));
-    let (status, body) = api.post("/v1/records/7/1", r#"{"product_ids": ["a", "b", "c", "d", "e", "f"]}"#).await;
+    let (status, body) =
+        api.post("/v1/records/7/1", r#"{"product_ids": ["a", "b", "c", "d", "e", "f"]}"#).await;
     assert_eq!(status, 400, "{body}");
     let msg = error_of(&body);
     assert!(msg.contains('6') && msg.contains('5') && msg.contains("limit"), "{msg}");
@@ -233,7 +245,9 @@ async fn http_batch_read_splits_found_and_missing_and_refuses_bad_bodies() {
     assert_eq!(status, 400, "{body}");
     assert!(error_of(&body).contains("no product ids"), "{body}");
 
-    for bad in [r#"{"product_ids": ["a""#, "not json", r#"{"ids": ["a"]}"#, r#"{"product_ids": [1]}"#] {
+    for bad in
+        [r#"{"product_ids": ["a""#, "not json", r#"{"ids": ["a"]}"#, r#"{"product_ids": [1]}"#]
+    {
         let (status, body) = api.post("/v1/records/7/1", bad).await;
         assert_eq!(status, 400, "{bad}: {body}");
         assert!(!error_of(&body).is_empty());
@@ -324,7 +338,16 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
     let mut cursor = 0;
     for _ in 0..100 {
         let reply = api
-            .nats("place", &ReadRequest { brand_id: BRAND, place_id: 1, cursor, limit: 7, ..Default::default() })
+            .nats(
+                "place",
+                &ReadRequest {
+                    brand_id: BRAND,
+                    place_id: 1,
+                    cursor,
+                    limit: 7,
+                    ..Default::default()
+                },
+            )
             .await;
         assert!(reply.error.is_empty(), "{}", reply.error);
         for r in reply.records {
@@ -362,18 +385,39 @@ async fn reads_follow_writes_deletes_and_sweeps() {
     const PLACE: i64 = 4;
     let g1 = now_us();
     let import = |range: std::ops::Range<usize>, generation: i64| -> Vec<Command> {
-        range.map(|i| patch(BRAND, PLACE, &sku(i), &product(&format!("item {i}"), 10 * i as i64, 2), generation)).collect()
+        range
+            .map(|i| {
+                patch(
+                    BRAND,
+                    PLACE,
+                    &sku(i),
+                    &product(&format!("item {i}"), 10 * i as i64, 2),
+                    generation,
+                )
+            })
+            .collect()
     };
     h.send(import(0..30, g1)).await.expect("send");
     h.send_sweep(BRAND, PLACE, g1).await.expect("sweep");
     // Price updates, a state decision, deletes.
-    h.send((5..10).map(|i| patch(BRAND, PLACE, &sku(i), &Product { price: Some(0), ..Default::default() }, 0)).collect())
-        .await
-        .expect("send");
+    h.send(
+        (5..10)
+            .map(|i| {
+                patch(BRAND, PLACE, &sku(i), &Product { price: Some(0), ..Default::default() }, 0)
+            })
+            .collect(),
+    )
+    .await
+    .expect("send");
     let hide = Command {
         key: Some(RecordKey::new(BRAND, PLACE, sku(10))),
         kind: CommandKind::Patch as i32,
-        state: RecordState { hidden: Some(true), reasons: vec!["no price".into()], ..Default::default() }.encode_to_vec(),
+        state: RecordState {
+            hidden: Some(true),
+            reasons: vec!["no price".into()],
+            ..Default::default()
+        }
+        .encode_to_vec(),
         ..Default::default()
     };
     h.send(vec![hide]).await.expect("send");
@@ -408,11 +452,20 @@ async fn reads_follow_writes_deletes_and_sweeps() {
         .into_iter()
         .map(|r| (r["key"]["product_id"].as_str().unwrap_or_default().to_string(), r))
         .collect();
-    let expected: BTreeMap<String, Value> = stored.iter().map(|(id, r)| (id.clone(), record_to_json(r))).collect();
+    let expected: BTreeMap<String, Value> =
+        stored.iter().map(|(id, r)| (id.clone(), record_to_json(r))).collect();
     assert!(paged == expected, "HTTP pages differ from storage");
     let all: Vec<String> = (0..30).map(sku).collect();
     let reply = api
-        .nats("batch", &ReadRequest { brand_id: BRAND, place_id: PLACE, product_ids: all.clone(), ..Default::default() })
+        .nats(
+            "batch",
+            &ReadRequest {
+                brand_id: BRAND,
+                place_id: PLACE,
+                product_ids: all.clone(),
+                ..Default::default()
+            },
+        )
         .await;
     assert!(reply.error.is_empty() && reply.missing.is_empty(), "{reply:?}");
     assert_eq!(reply.records, all.iter().map(|id| stored[id].clone()).collect::<Vec<_>>());

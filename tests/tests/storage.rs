@@ -18,7 +18,12 @@ async fn start() -> (TestEnv, Harness, InProcessStorage) {
     (env, h, storage)
 }
 
-fn full_import(places: &[i64], items: usize, generation: i64, price_of: impl Fn(i64, usize) -> i64) -> Vec<Command> {
+fn full_import(
+    places: &[i64],
+    items: usize,
+    generation: i64,
+    price_of: impl Fn(i64, usize) -> i64,
+) -> Vec<Command> {
     let mut out = Vec::new();
     for &place in places {
         for i in 0..items {
@@ -89,7 +94,11 @@ async fn identical_reimport_emits_nothing_and_churn_emits_exactly_the_changed() 
 #[tokio::test]
 async fn price_and_stock_feeds_glue_and_zero_is_a_value() {
     let (_env, h, _storage) = start().await;
-    let content = Product { title: Some("Roses".into()), category: Some("roses".into()), ..Default::default() };
+    let content = Product {
+        title: Some("Roses".into()),
+        category: Some("roses".into()),
+        ..Default::default()
+    };
     let price = Product { price: Some(0), old_price: Some(100), ..Default::default() };
     let stock = Product { stock: Some(0), ..Default::default() };
     h.send(vec![patch(BRAND, 1, "a", &content, 0)]).await.unwrap();
@@ -227,7 +236,8 @@ async fn poison_messages_are_dead_lettered_without_blocking_the_partition() {
     let mut bad = patch(BRAND, 1, "bad", &product("b", 1, 1), 0);
     bad.data = vec![0xff, 0xff];
     let mut huge = patch(BRAND, 1, "huge", &product("h", 1, 1), 0);
-    huge.data = Product { description: Some("x".repeat(300 * 1024)), ..Default::default() }.encode_to_vec();
+    huge.data =
+        Product { description: Some("x".repeat(300 * 1024)), ..Default::default() }.encode_to_vec();
     h.send(vec![
         patch(BRAND, 1, "good-1", &product("g", 1, 1), 0),
         bad,
@@ -241,7 +251,8 @@ async fn poison_messages_are_dead_lettered_without_blocking_the_partition() {
     assert!(h.get(BRAND, 1, "good-2").await.unwrap().is_some());
     assert!(h.get(BRAND, 1, "bad").await.unwrap().is_none());
     assert!(h.get(BRAND, 1, "huge").await.unwrap().is_none());
-    let mut reasons: Vec<String> = h.rejections().await.unwrap().into_iter().map(|r| r.reason).collect();
+    let mut reasons: Vec<String> =
+        h.rejections().await.unwrap().into_iter().map(|r| r.reason).collect();
     reasons.sort();
     assert_eq!(reasons, ["malformed", "too_large", "undecodable"]);
     assert_eq!(shelfsync_storage::Stats::get(&storage.stats.dead_lettered), 1);

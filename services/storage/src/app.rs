@@ -189,7 +189,11 @@ impl App {
 /// Fires keyframes on the configured cron schedule (UTC). Every replica runs
 /// the same schedule; the keyframe id derives from the tick, so all replicas
 /// of one tick share it.
-async fn schedule_keyframes(settings: Arc<Settings>, keyframer: Keyframer, mut stop: watch::Receiver<bool>) {
+async fn schedule_keyframes(
+    settings: Arc<Settings>,
+    keyframer: Keyframer,
+    mut stop: watch::Receiver<bool>,
+) {
     let expr = settings.storage.keyframe_schedule.trim();
     if expr.is_empty() {
         return;
@@ -244,7 +248,10 @@ async fn serve_keyframe_requests(
         let req = match KeyframeRequest::decode(msg.payload.as_ref()) {
             Ok(r) => r,
             Err(e) => {
-                let reply = KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
+                let reply = KeyframeReply {
+                    error: format!("bad KeyframeRequest: {e}"),
+                    ..Default::default()
+                };
                 let _ = client.publish(reply_to, reply.encode_to_vec().into()).await;
                 continue;
             }
@@ -254,7 +261,8 @@ async fn serve_keyframe_requests(
         } else {
             req.keyframe_id.clone()
         };
-        let place = (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+        let place =
+            (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
         let Some(done) = keyframer.start(id, place).await else { continue };
         let client = client.clone();
         tokio::spawn(async move {
@@ -270,24 +278,4 @@ async fn serve_keyframe_requests(
     }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-}
+pub use shelfsync_telemetry::shutdown_signal;

@@ -42,11 +42,7 @@ impl GenEntry {
             b'd' => (&s[..s.len() - 1], false, true),
             _ => (s, false, false),
         };
-        Some(GenEntry {
-            generation: num.parse().ok()?,
-            absent,
-            deleted,
-        })
+        Some(GenEntry { generation: num.parse().ok()?, absent, deleted })
     }
 }
 
@@ -117,11 +113,8 @@ pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<(i64, i64)>) {
         .collect();
     keys.sort();
     keys.dedup();
-    let mut places: Vec<(i64, i64)> = batch
-        .sweeps
-        .iter()
-        .map(|s| (s.brand_id, s.place_id))
-        .collect();
+    let mut places: Vec<(i64, i64)> =
+        batch.sweeps.iter().map(|s| (s.brand_id, s.place_id)).collect();
     places.sort();
     places.dedup();
     (keys, places)
@@ -174,28 +167,17 @@ pub fn apply_batch(
 
 fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Rejection> {
     let Some(key) = cmd.key.clone() else {
-        return Err(reject(
-            cmd,
-            reason::MALFORMED,
-            "command without a key".into(),
-        ));
+        return Err(reject(cmd, reason::MALFORMED, "command without a key".into()));
     };
     if key.product_id.is_empty() || key.product_id.len() > 512 {
-        return Err(reject(
-            cmd,
-            reason::MALFORMED,
-            "product_id must be 1..=512 bytes".into(),
-        ));
+        return Err(reject(cmd, reason::MALFORMED, "product_id must be 1..=512 bytes".into()));
     }
     let p = shelfsync_bus::partition_of(key.brand_id, key.place_id, limits.partitions);
     if p.0 != limits.partition {
         return Err(reject(
             cmd,
             reason::WRONG_PARTITION,
-            format!(
-                "place belongs to partition {p}, sent to {}",
-                limits.partition
-            ),
+            format!("place belongs to partition {p}, sent to {}", limits.partition),
         ));
     }
     Ok(key)
@@ -211,11 +193,7 @@ fn apply_command(
     let key = validate(cmd, limits)?;
     let kind = CommandKind::try_from(cmd.kind).unwrap_or(CommandKind::Unspecified);
     if kind == CommandKind::Unspecified {
-        return Err(reject(
-            cmd,
-            reason::MALFORMED,
-            format!("unknown command kind {}", cmd.kind),
-        ));
+        return Err(reject(cmd, reason::MALFORMED, format!("unknown command kind {}", cmd.kind)));
     }
     let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
     let slot = slots.entry(slot_key).or_default();
@@ -278,10 +256,7 @@ fn apply_command(
         return Err(reject(
             cmd,
             reason::TOO_LARGE,
-            format!(
-                "record would be {size} bytes, limit {}",
-                limits.max_record_bytes
-            ),
+            format!("record would be {size} bytes, limit {}", limits.max_record_bytes),
         ));
     }
     // Only full imports stamp generations; a record they carry is present.
@@ -296,9 +271,7 @@ fn apply_command(
     }
 
     let observable = |r: &Record| (r.data.clone(), r.state.clone(), r.absent, r.deleted);
-    let changed = before
-        .as_ref()
-        .is_none_or(|b| observable(b) != observable(&next));
+    let changed = before.as_ref().is_none_or(|b| observable(b) != observable(&next));
     if !changed {
         return Ok(None);
     }
@@ -323,14 +296,7 @@ fn apply_command(
     slot.gen_dirty = true; // the flags in the generation column follow the record
     // Re-creating a deleted record is a CREATED change: no `before`.
     let before = before.as_ref().filter(|_| !was_deleted).map(|r| (r, before_generation));
-    Ok(Some(change(
-        &key,
-        before,
-        &next,
-        kind,
-        slot.generation,
-        cmd.origin.clone(),
-    )))
+    Ok(Some(change(&key, before, &next, kind, slot.generation, cmd.origin.clone())))
 }
 
 fn apply_sweep(
@@ -346,19 +312,12 @@ fn apply_sweep(
         import_id: sweep.import_id.clone(),
         published_at: 0,
     });
-    let stored = sweep_gens
-        .get(&place)
-        .map(Vec::as_slice)
-        .unwrap_or_default();
+    let stored = sweep_gens.get(&place).map(Vec::as_slice).unwrap_or_default();
     let column: HashMap<&str, GenEntry> = stored.iter().map(|(p, e)| (p.as_str(), *e)).collect();
     // Records written earlier in this batch may not be in the stored column.
     let mut products: Vec<String> = stored.iter().map(|(p, _)| p.clone()).collect();
-    products.extend(
-        slots
-            .keys()
-            .filter(|(b, p, _)| (*b, *p) == place)
-            .map(|(_, _, id)| id.clone()),
-    );
+    products
+        .extend(slots.keys().filter(|(b, p, _)| (*b, *p) == place).map(|(_, _, id)| id.clone()));
     products.sort();
     products.dedup();
     for product_id in products {
@@ -408,11 +367,7 @@ pub fn sweep_candidates(sweep: &Sweep, column: &[(String, GenEntry)]) -> Vec<Str
 }
 
 fn with_key(r: &Record, key: &RecordKey, generation: i64) -> Record {
-    Record {
-        key: Some(key.clone()),
-        generation,
-        ..r.clone()
-    }
+    Record { key: Some(key.clone()), generation, ..r.clone() }
 }
 
 fn change(

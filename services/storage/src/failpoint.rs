@@ -20,11 +20,7 @@ fn armed() -> Option<&'static Armed> {
                 Some((n, k)) => (n.to_string(), k.parse().unwrap_or(1)),
                 None => (spec, 1),
             };
-            Some(Armed {
-                name,
-                at,
-                hits: AtomicU64::new(0),
-            })
+            Some(Armed { name, at, hits: AtomicU64::new(0) })
         })
         .as_ref()
 }

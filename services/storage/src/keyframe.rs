@@ -148,7 +148,9 @@ impl Worker {
                 }
                 digest.add(&id, r.updated_at);
                 let len = r.encoded_len() + 6;
-                if !pending.is_empty() && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes) {
+                if !pending.is_empty()
+                    && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes)
+                {
                     let batch = KeyframeBatch {
                         keyframe_id: keyframe_id.to_string(),
                         brand_id,
@@ -230,8 +232,11 @@ impl Worker {
         }
         self.stats.add(&self.stats.keyframe_records, digest.count);
         tracing::debug!(
-            brand_id, place_id, records = digest.count,
-            elapsed_ms = started.elapsed().as_millis() as u64, "place keyframe published"
+            brand_id,
+            place_id,
+            records = digest.count,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "place keyframe published"
         );
         Ok(digest.count)
     }
@@ -244,7 +249,10 @@ impl Worker {
     ) -> anyhow::Result<u64> {
         // The first part's sequence is needed for purging, so wait for its
         // ack; later parts are pipelined.
-        let id = format!("kf:{}:{}:{}:{}", batch.keyframe_id, batch.brand_id, batch.place_id, batch.part);
+        let id = format!(
+            "kf:{}:{}:{}:{}",
+            batch.keyframe_id, batch.brand_id, batch.place_id, batch.part
+        );
         if batch.part == 0 {
             let msg = async_nats::jetstream::message::PublishMessage::build()
                 .payload(batch.encode_to_vec().into())
@@ -254,7 +262,13 @@ impl Worker {
             return Ok(ack.sequence);
         }
         publisher
-            .publish(subject.to_string(), id, msg_type::KEYFRAME_BATCH, None, batch.encode_to_vec().into())
+            .publish(
+                subject.to_string(),
+                id,
+                msg_type::KEYFRAME_BATCH,
+                None,
+                batch.encode_to_vec().into(),
+            )
             .await?;
         Ok(0)
     }

@@ -14,9 +14,9 @@ mod app;
 pub mod apply;
 pub mod failpoint;
 pub mod keyframe;
+pub mod read;
 pub mod stats;
 pub mod store;
-pub mod read;
 mod worker;
 
 pub use app::{App, shutdown_signal};

@@ -4,11 +4,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(
-    name = "shelfsync-storage",
-    version,
-    about = "shelfsync storage service"
-)]
+#[command(name = "shelfsync-storage", version, about = "shelfsync storage service")]
 struct Args {
     /// TOML settings file; SHELFSYNC__SECTION__KEY variables override it.
     #[arg(long, env = "SHELFSYNC_CONFIG")]

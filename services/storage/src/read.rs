@@ -79,7 +79,10 @@ impl ReadApi {
 
     pub async fn get(&self, brand: i64, place: i64, id: &str) -> Result<Option<Record>, ReadError> {
         check_product_id(id)?;
-        Ok(self.store.get(self.partitions(), &shelfsync_proto::RecordKey::new(brand, place, id)).await?)
+        Ok(self
+            .store
+            .get(self.partitions(), &shelfsync_proto::RecordKey::new(brand, place, id))
+            .await?)
     }
 
     /// Records of one place in the order asked, and the ids that are missing.
@@ -129,7 +132,8 @@ impl ReadApi {
         }
         let partition = shelfsync_bus::partition_of(brand, place, self.partitions()).0;
         Ok({
-            let (next, records) = self.store.scan_place(partition, brand, place, cursor, limit).await?;
+            let (next, records) =
+                self.store.scan_place(partition, brand, place, cursor, limit).await?;
             (records, next)
         })
     }
@@ -137,7 +141,9 @@ impl ReadApi {
     async fn answer(&self, what: &str, payload: &[u8]) -> ReadReply {
         let req = match ReadRequest::decode(payload) {
             Ok(r) => r,
-            Err(e) => return ReadReply { error: format!("bad ReadRequest: {e}"), ..Default::default() },
+            Err(e) => {
+                return ReadReply { error: format!("bad ReadRequest: {e}"), ..Default::default() };
+            }
         };
         let result = match what {
             "get" => match req.product_ids.as_slice() {
@@ -157,7 +163,11 @@ impl ReadApi {
             _ => {
                 let limit = if req.limit == 0 { 100 } else { req.limit as usize };
                 self.page(req.brand_id, req.place_id, req.cursor, limit).await.map(
-                    |(records, next_cursor)| ReadReply { records, next_cursor, ..Default::default() },
+                    |(records, next_cursor)| ReadReply {
+                        records,
+                        next_cursor,
+                        ..Default::default()
+                    },
                 )
             }
         };
@@ -181,7 +191,9 @@ impl ReadApi {
                     .map(|s| s.map(move |m| (what, m)))
             }
         };
-        let subs = futures::future::try_join3(subscribe("get"), subscribe("batch"), subscribe("place")).await;
+        let subs =
+            futures::future::try_join3(subscribe("get"), subscribe("batch"), subscribe("place"))
+                .await;
         let (a, b, c) = match subs {
             Ok(s) => s,
             Err(e) => {
@@ -218,7 +230,11 @@ impl ReadApi {
     }
 
     /// Serves HTTP on `listener` until `stop` flips.
-    pub async fn serve_http(self, listener: tokio::net::TcpListener, mut stop: watch::Receiver<bool>) {
+    pub async fn serve_http(
+        self,
+        listener: tokio::net::TcpListener,
+        mut stop: watch::Receiver<bool>,
+    ) {
         let app = self.router();
         let shutdown = async move {
             let _ = stop.changed().await;
@@ -288,9 +304,9 @@ async fn http_page(
     let num = |what: &str, v: Option<String>, default: u64| -> Result<u64, ReadError> {
         match v {
             None => Ok(default),
-            Some(s) => s
-                .parse()
-                .map_err(|_| ReadError::BadRequest(format!("{what} must be a non-negative integer"))),
+            Some(s) => s.parse().map_err(|_| {
+                ReadError::BadRequest(format!("{what} must be a non-negative integer"))
+            }),
         }
     };
     let cursor = num("cursor", q.cursor, 0)?;

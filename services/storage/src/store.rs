@@ -38,9 +38,7 @@ pub enum RedisConn {
 impl RedisConn {
     pub async fn connect(cfg: &RedisSettings) -> redis::RedisResult<RedisConn> {
         if cfg.cluster {
-            let client = redis::cluster::ClusterClient::builder(cfg.urls())
-                .retries(6)
-                .build()?;
+            let client = redis::cluster::ClusterClient::builder(cfg.urls()).retries(6).build()?;
             Ok(RedisConn::Cluster(client.get_async_connection().await?))
         } else {
             let client = redis::Client::open(cfg.url.as_str())?;
@@ -48,9 +46,7 @@ impl RedisConn {
                 .set_connection_timeout(Some(std::time::Duration::from_secs(5)))
                 .set_response_timeout(Some(std::time::Duration::from_secs(10)))
                 .set_max_delay(std::time::Duration::from_secs(2));
-            Ok(RedisConn::Single(
-                client.get_connection_manager_with_config(config).await?,
-            ))
+            Ok(RedisConn::Single(client.get_connection_manager_with_config(config).await?))
         }
     }
 }
@@ -129,9 +125,7 @@ pub struct Keys {
 
 impl Keys {
     pub fn new(namespace: &str, partition: u32) -> Self {
-        Self {
-            tag: format!("{{{namespace}:p{partition}}}"),
-        }
+        Self { tag: format!("{{{namespace}:p{partition}}}") }
     }
     pub fn records(&self, brand: i64, place: i64) -> String {
         format!("{}:r:{brand}:{place}", self.tag)
@@ -208,11 +202,7 @@ struct CommitOps {
 
 impl CommitOps {
     fn new(seq_key: String, expected: u64, new: u64) -> Self {
-        let mut ops = Self {
-            keys: Vec::new(),
-            key_index: HashMap::new(),
-            args: Vec::new(),
-        };
+        let mut ops = Self { keys: Vec::new(), key_index: HashMap::new(), args: Vec::new() };
         ops.key(&seq_key);
         ops.args.push(expected.to_string().into_bytes());
         ops.args.push(new.to_string().into_bytes());
@@ -325,11 +315,7 @@ impl Store {
                 parsed.push((id, entry));
             }
             // Only the generation is known for candidates; fetch their records.
-            for sweep in batch
-                .sweeps
-                .iter()
-                .filter(|s| (s.brand_id, s.place_id) == (b, p))
-            {
+            for sweep in batch.sweeps.iter().filter(|s| (s.brand_id, s.place_id) == (b, p)) {
                 let entries: HashMap<&str, GenEntry> =
                     parsed.iter().map(|(id, e)| (id.as_str(), *e)).collect();
                 for id in sweep_candidates(sweep, &parsed) {
@@ -376,14 +362,8 @@ impl Store {
             })?),
             None => None,
         };
-        let generation = generation
-            .and_then(GenEntry::decode)
-            .map_or(0, |g| g.generation);
-        Ok(Slot {
-            record,
-            generation,
-            ..Default::default()
-        })
+        let generation = generation.and_then(GenEntry::decode).map_or(0, |g| g.generation);
+        Ok(Slot { record, generation, ..Default::default() })
     }
 
     /// Writes the dirty slots, the outbox entries and the new sequence in one
@@ -407,11 +387,7 @@ impl Store {
             if slot.record_dirty
                 && let Some(r) = &slot.record
             {
-                let stored = Record {
-                    key: None,
-                    generation: 0,
-                    ..r.clone()
-                };
+                let stored = Record { key: None, generation: 0, ..r.clone() };
                 let v = records.entry((*b, *p)).or_default();
                 v.push(id.as_bytes().to_vec());
                 v.push(stored.encode_to_vec());
@@ -442,12 +418,7 @@ impl Store {
         ops.op("SADD", &keys.places(), new_places, 1);
         ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
         ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
-        ops.op(
-            "RPUSH",
-            &keys.outbox(),
-            outbox.iter().map(Message::encode_to_vec).collect(),
-            1,
-        );
+        ops.op("RPUSH", &keys.outbox(), outbox.iter().map(Message::encode_to_vec).collect(), 1);
 
         let mut invocation = self.commit_script.prepare_invoke();
         for k in &ops.keys {
@@ -458,20 +429,14 @@ impl Store {
         }
         let mut conn = self.conn.clone();
         let done: i64 = invocation.invoke_async(&mut conn).await?;
-        Ok(if done == 1 {
-            Commit::Done
-        } else {
-            Commit::Fenced
-        })
+        Ok(if done == 1 { Commit::Done } else { Commit::Fenced })
     }
 
     /// The last applied command sequence of a partition.
     pub async fn applied_seq(&self, partition: u32) -> Result<u64, StoreError> {
         let mut conn = self.conn.clone();
-        let v: Option<u64> = redis::cmd("GET")
-            .arg(self.keys(partition).seq())
-            .query_async(&mut conn)
-            .await?;
+        let v: Option<u64> =
+            redis::cmd("GET").arg(self.keys(partition).seq()).query_async(&mut conn).await?;
         Ok(v.unwrap_or(0))
     }
 
@@ -491,10 +456,8 @@ impl Store {
             .await?;
         raw.iter()
             .map(|b| {
-                OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::Corrupt {
-                    key: key.clone(),
-                    detail: e.to_string(),
-                })
+                OutboxEntry::decode(b.as_slice())
+                    .map_err(|e| StoreError::Corrupt { key: key.clone(), detail: e.to_string() })
             })
             .collect()
     }
@@ -513,10 +476,7 @@ impl Store {
 
     pub async fn outbox_len(&self, partition: u32) -> Result<u64, StoreError> {
         let mut conn = self.conn.clone();
-        Ok(redis::cmd("LLEN")
-            .arg(self.keys(partition).outbox())
-            .query_async(&mut conn)
-            .await?)
+        Ok(redis::cmd("LLEN").arg(self.keys(partition).outbox()).query_async(&mut conn).await?)
     }
 
     /// Purges up to `limit` tombstones deleted before `cutoff_us`. Runs in
@@ -583,11 +543,7 @@ impl Store {
             rec.as_deref(),
             generation.as_deref(),
         )?;
-        Ok(slot.record.map(|r| Record {
-            key: Some(key.clone()),
-            generation: slot.generation,
-            ..r
-        }))
+        Ok(slot.record.map(|r| Record { key: Some(key.clone()), generation: slot.generation, ..r }))
     }
 
     /// Every record of a place (key and generation filled in), in no order.
@@ -628,8 +584,10 @@ impl Store {
     /// The places of a partition that ever held a record.
     pub async fn places(&self, partition: u32) -> Result<Vec<(i64, i64)>, StoreError> {
         let mut conn = self.conn.clone();
-        let raw: Vec<String> =
-            redis::cmd("SMEMBERS").arg(self.keys(partition).places()).query_async(&mut conn).await?;
+        let raw: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(self.keys(partition).places())
+            .query_async(&mut conn)
+            .await?;
         let mut out: Vec<(i64, i64)> = raw
             .iter()
             .filter_map(|s| {

@@ -24,8 +24,8 @@ use tokio::sync::{mpsc, watch};
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
-use crate::keyframe::KeyframeJob;
 use crate::failpoint;
+use crate::keyframe::KeyframeJob;
 use crate::stats::Stats;
 use crate::store::{Commit, Store, StoreError};
 
@@ -146,7 +146,9 @@ impl Worker {
             None => match self.store.places(self.partition.0).await {
                 Ok(p) => p,
                 Err(e) => {
-                    job.progress.worker_done(Some(format!("partition {}: {e}", self.partition))).await;
+                    job.progress
+                        .worker_done(Some(format!("partition {}: {e}", self.partition)))
+                        .await;
                     return;
                 }
             },
@@ -170,14 +172,19 @@ impl Worker {
 
     async fn run_snapshot(&self, s: PlaceSnapshot, publisher: &mut Publisher) {
         let started = std::time::Instant::now();
-        match self.snapshot_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher).await {
+        match self
+            .snapshot_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
+            .await
+        {
             Ok(records) => s.progress.place_done(records),
             Err(e) => {
                 warn!(
                     partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
                     error = format!("{e:#}"), "place keyframe failed"
                 );
-                s.progress.place_failed(format!("place {}/{}: {e:#}", s.brand_id, s.place_id)).await;
+                s.progress
+                    .place_failed(format!("place {}/{}: {e:#}", s.brand_id, s.place_id))
+                    .await;
             }
         }
         self.stats.observe_keyframe_place(started.elapsed());
@@ -206,10 +213,7 @@ impl Worker {
             delivered,
             batch.size = tracing::field::Empty
         );
-        let result = self
-            .handle(&msg, seq, delivered, publisher, shutdown)
-            .instrument(span)
-            .await;
+        let result = self.handle(&msg, seq, delivered, publisher, shutdown).instrument(span).await;
         match result {
             Ok(handled) => {
                 failpoint::hit("after_publish");
@@ -279,15 +283,8 @@ impl Worker {
             Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e.into()),
             Err(e) => {
                 let detail = format!("failed {delivered} times: {e}");
-                self.dead_letter(
-                    seq,
-                    reason::FAILED,
-                    detail,
-                    &msg.payload,
-                    publisher,
-                    shutdown,
-                )
-                .await
+                self.dead_letter(seq, reason::FAILED, detail, &msg.payload, publisher, shutdown)
+                    .await
             }
         }
     }
@@ -366,11 +363,7 @@ impl Worker {
         };
         let outbox = self.outbox_entries(seq, Vec::new(), vec![rejection]);
         let slots = Default::default();
-        match self
-            .store
-            .commit(self.partition.0, applied, seq, &slots, &outbox)
-            .await?
-        {
+        match self.store.commit(self.partition.0, applied, seq, &slots, &outbox).await? {
             Commit::Done => {
                 self.stats.add(&self.stats.dead_lettered, 1);
                 self.relay_until_done(publisher, shutdown).await;
@@ -405,8 +398,7 @@ impl Worker {
                     part,
                     ..Default::default()
                 };
-                self.stats
-                    .add(&self.stats.changes, batch.changes.len() as u64);
+                self.stats.add(&self.stats.changes, batch.changes.len() as u64);
                 out.push(OutboxEntry {
                     subject: self.subjects.changes(b, p),
                     msg_id: format!("chg:{}:{seq}:{part}", self.partition),
@@ -502,11 +494,7 @@ impl Worker {
 
     async fn purge(&self) {
         let cutoff = Self::now_us() - self.settings.storage.tombstone_ttl.as_micros() as i64;
-        match self
-            .store
-            .purge_tombstones(self.partition.0, cutoff, 1000)
-            .await
-        {
+        match self.store.purge_tombstones(self.partition.0, cutoff, 1000).await {
             Ok(0) => {}
             Ok(n) => {
                 debug!(partition = %self.partition, purged = n, "tombstones purged");
