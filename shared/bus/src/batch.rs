@@ -39,29 +39,17 @@ impl CommandBatcher {
     /// closed before a command that would push it over `max_bytes`, and when
     /// it reaches `max_commands`.
     pub fn push(&mut self, cmd: Command) -> Vec<(Partition, CommandBatch)> {
-        let key = cmd
-            .key
-            .as_ref()
-            .map_or((0, 0), |k| (k.brand_id, k.place_id));
+        let key = cmd.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
         let partition = partition_of(key.0, key.1, self.partitions);
         let len = framed_len(cmd.encoded_len());
         let mut out = Vec::new();
         let entry = self.pending.entry(partition).or_insert_with(|| {
-            (
-                CommandBatch {
-                    partition: partition.0,
-                    ..Default::default()
-                },
-                batch_overhead(),
-            )
+            (CommandBatch { partition: partition.0, ..Default::default() }, batch_overhead())
         });
         if !entry.0.commands.is_empty() && entry.1 + len > self.max_bytes {
             let full = std::mem::replace(
                 &mut entry.0,
-                CommandBatch {
-                    partition: partition.0,
-                    ..Default::default()
-                },
+                CommandBatch { partition: partition.0, ..Default::default() },
             );
             entry.1 = batch_overhead();
             out.push((partition, full));
@@ -71,10 +59,7 @@ impl CommandBatcher {
         if entry.0.commands.len() >= self.max_commands {
             let full = std::mem::replace(
                 &mut entry.0,
-                CommandBatch {
-                    partition: partition.0,
-                    ..Default::default()
-                },
+                CommandBatch { partition: partition.0, ..Default::default() },
             );
             entry.1 = batch_overhead();
             out.push((partition, full));
@@ -140,11 +125,7 @@ mod tests {
         let total: usize = batches.iter().map(|(_, b)| b.commands.len()).sum();
         assert_eq!(total, 1000);
         for (_, batch) in &batches {
-            assert!(
-                batch.encoded_len() <= max,
-                "{} > {max}",
-                batch.encoded_len()
-            );
+            assert!(batch.encoded_len() <= max, "{} > {max}", batch.encoded_len());
         }
     }
 }

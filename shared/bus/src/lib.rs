@@ -22,7 +22,7 @@ use shelfsync_settings::{NatsSettings, Settings};
 
 pub use batch::{CommandBatcher, batch_overhead};
 pub use publish::{PublishFailed, Publisher};
-pub use subjects::{Partition, Subjects, partition_of};
+pub use subjects::{Partition, Subjects, partition_of, token};
 
 /// Header carrying the protobuf message type of a payload.
 pub const TYPE_HEADER: &str = "Shelfsync-Type";
@@ -33,15 +33,9 @@ pub const PAYLOAD_HEADROOM: usize = 8 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     #[error("cannot connect to NATS at {url}: {source}")]
-    Connect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
+    Connect { url: String, source: async_nats::ConnectError },
     #[error("cannot read NATS credentials file {path}: {source}")]
-    Credentials {
-        path: String,
-        source: std::io::Error,
-    },
+    Credentials { path: String, source: std::io::Error },
     #[error("cannot provision stream {stream}: {detail}")]
     Provision { stream: String, detail: String },
 }
@@ -65,10 +59,7 @@ pub async fn connect(
         opts = opts
             .credentials_file(path)
             .await
-            .map_err(|source| BusError::Credentials {
-                path: path.clone(),
-                source,
-            })?;
+            .map_err(|source| BusError::Credentials { path: path.clone(), source })?;
     }
     if let (Some(user), Some(password)) = (&cfg.user, &cfg.password) {
         opts = opts.user_and_password(user.clone(), password.clone());
@@ -79,17 +70,12 @@ pub async fn connect(
     let urls = cfg.urls();
     opts.connect(urls.as_slice())
         .await
-        .map_err(|source| BusError::Connect {
-            url: cfg.url.clone(),
-            source,
-        })
+        .map_err(|source| BusError::Connect { url: cfg.url.clone(), source })
 }
 
 /// A JetStream context whose API calls time out as configured.
 pub fn jetstream(client: async_nats::Client, cfg: &NatsSettings) -> jetstream::Context {
-    jetstream::ContextBuilder::new()
-        .timeout(cfg.request_timeout)
-        .build(client)
+    jetstream::ContextBuilder::new().timeout(cfg.request_timeout).build(client)
 }
 
 /// The stream configurations the suite needs, in creation order.
@@ -136,6 +122,12 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         stream::Config {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
+            description: Some("shelfsync aggregates: master cards and category flips".into()),
+            ..base(s.aggregates_stream(), vec![s.aggregates_all()])
+        },
+        stream::Config {
+            retention: stream::RetentionPolicy::Limits,
+            max_age: n.changes_max_age,
             description: Some("shelfsync rejected commands and feed items, with reasons".into()),
             ..base(s.rejects_stream(), vec![s.rejects_all()])
         },
@@ -149,10 +141,7 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
 pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(), BusError> {
     for config in stream_configs(settings) {
         let name = config.name.clone();
-        let err = |detail: String| BusError::Provision {
-            stream: name.clone(),
-            detail,
-        };
+        let err = |detail: String| BusError::Provision { stream: name.clone(), detail };
         match js.get_stream(&name).await {
             Ok(mut existing) => {
                 let info = existing.info().await.map_err(|e| err(e.to_string()))?;
@@ -166,14 +155,10 @@ pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(
                          the partition count is fixed"
                     )));
                 }
-                js.update_stream(&config)
-                    .await
-                    .map_err(|e| err(e.to_string()))?;
+                js.update_stream(&config).await.map_err(|e| err(e.to_string()))?;
             }
             Err(_) => {
-                js.create_stream(config.clone())
-                    .await
-                    .map_err(|e| err(e.to_string()))?;
+                js.create_stream(config.clone()).await.map_err(|e| err(e.to_string()))?;
             }
         }
     }

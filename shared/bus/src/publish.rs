@@ -82,18 +82,10 @@ impl Publisher {
         let ack = self.js.send_publish(subject.clone(), msg).await;
         match ack {
             Ok(ack) => {
-                self.inflight.push_back(InFlight {
-                    subject,
-                    msg_id,
-                    ack,
-                });
+                self.inflight.push_back(InFlight { subject, msg_id, ack });
                 Ok(())
             }
-            Err(source) => Err(PublishFailed {
-                subject,
-                msg_id,
-                source,
-            }),
+            Err(source) => Err(PublishFailed { subject, msg_id, source }),
         }
     }
 
@@ -109,11 +101,7 @@ impl Publisher {
                 }
                 Ok(Some(ack))
             }
-            Err(source) => Err(PublishFailed {
-                subject: f.subject,
-                msg_id: f.msg_id,
-                source,
-            }),
+            Err(source) => Err(PublishFailed { subject: f.subject, msg_id: f.msg_id, source }),
         }
     }
 

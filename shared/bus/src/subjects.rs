@@ -34,18 +34,9 @@ impl Subjects {
     pub fn new(prefix: &str) -> Self {
         let stream_prefix = prefix
             .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_uppercase()
-                } else {
-                    '_'
-                }
-            })
+            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
             .collect();
-        Self {
-            prefix: prefix.to_string(),
-            stream_prefix,
-        }
+        Self { prefix: prefix.to_string(), stream_prefix }
     }
 
     pub fn prefix(&self) -> &str {
@@ -98,6 +89,25 @@ impl Subjects {
         format!("{}.read.{what}", self.prefix)
     }
 
+    /// Master card changes of a region.
+    pub fn aggregates_card(&self, region: &str) -> String {
+        format!("{}.aggregates.cards.{}", self.prefix, token(region))
+    }
+    /// Category flips of a place.
+    pub fn aggregates_category(&self, brand_id: i64, place_id: i64) -> String {
+        format!("{}.aggregates.categories.{brand_id}.{place_id}", self.prefix)
+    }
+    pub fn aggregates_all(&self) -> String {
+        format!("{}.aggregates.>", self.prefix)
+    }
+    /// Core NATS request subject of the recommender (TopRequest → TopReply).
+    pub fn recommend_top(&self) -> String {
+        format!("{}.recommend.top", self.prefix)
+    }
+
+    pub fn aggregates_stream(&self) -> String {
+        format!("{}_AGGREGATES", self.stream_prefix)
+    }
     pub fn keyframes_stream(&self) -> String {
         format!("{}_KEYFRAMES", self.stream_prefix)
     }
@@ -119,6 +129,14 @@ impl Subjects {
     }
 }
 
+/// A free-form name as one subject token (dots, spaces and wildcards
+/// replaced by `_`).
+pub fn token(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,10 +148,7 @@ mod tests {
         assert_eq!(s.changes(7, 42), "t1.shelf-x.changes.7.42");
         assert_eq!(s.changes_filter(Some(7), None), "t1.shelf-x.changes.7.*");
         assert_eq!(s.cmd_stream(), "T1_SHELF_X_CMD");
-        assert_eq!(
-            Subjects::new("shelfsync").changes_stream(),
-            "SHELFSYNC_CHANGES"
-        );
+        assert_eq!(Subjects::new("shelfsync").changes_stream(), "SHELFSYNC_CHANGES");
     }
 
     #[test]
@@ -144,9 +159,6 @@ mod tests {
         for place in 0..16_000 {
             counts[partition_of(7, place, 16).0 as usize] += 1;
         }
-        assert!(
-            counts.iter().all(|&c| (800..1200).contains(&c)),
-            "{counts:?}"
-        );
+        assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
     }
 }

@@ -60,7 +60,11 @@ impl KeyframeReader {
 
     /// The latest complete keyframe of a place. If one is being written right
     /// now, waits (up to about a minute) for it to complete.
-    pub async fn latest(&self, brand: i64, place: i64) -> Result<Option<LatestKeyframe>, FeedError> {
+    pub async fn latest(
+        &self,
+        brand: i64,
+        place: i64,
+    ) -> Result<Option<LatestKeyframe>, FeedError> {
         let subject = self.subjects.keyframes(brand, place);
         for _ in 0..600 {
             let msg = match self.stream.direct_get_last_for_subject(&subject).await {
@@ -112,8 +116,9 @@ impl KeyframeParts {
                 .await
                 .map_err(|e| FeedError::Nats(format!("reading {}: {e}", self.subject)))?;
             self.next_seq = msg.sequence + 1;
-            let batch = KeyframeBatch::decode(msg.payload.as_ref())
-                .map_err(|e| FeedError::Corrupt(format!("{} #{}: {e}", self.subject, msg.sequence)))?;
+            let batch = KeyframeBatch::decode(msg.payload.as_ref()).map_err(|e| {
+                FeedError::Corrupt(format!("{} #{}: {e}", self.subject, msg.sequence))
+            })?;
             if batch.keyframe_id != self.keyframe_id {
                 // A part of another keyframe (an aborted run) sits in between.
                 continue;

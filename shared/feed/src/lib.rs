@@ -36,7 +36,7 @@ use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::ChangeBatch;
 use shelfsync_settings::Settings;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 pub use keyframes::KeyframeReader;
 pub use state::{Check, FeedState, Place};
@@ -68,7 +68,10 @@ pub enum HandlerError {
 pub trait Handler: Send {
     /// Applies updates, in order. Called with the changes of one message,
     /// or with one keyframe part. Must be idempotent per record version.
-    fn apply(&mut self, updates: &[Update]) -> impl Future<Output = Result<(), HandlerError>> + Send;
+    fn apply(
+        &mut self,
+        updates: &[Update],
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Forgets everything about a place (a keyframe of it follows).
     fn reset_place(
@@ -253,7 +256,8 @@ impl ChangeFeed {
         self.state.reset_place(place);
         let mut parts = reader.parts(latest);
         while let Some(part) = parts.next().await? {
-            let updates: Vec<Update> = part.records.into_iter().filter_map(Update::from_snapshot).collect();
+            let updates: Vec<Update> =
+                part.records.into_iter().filter_map(Update::from_snapshot).collect();
             handler.apply(&updates).await?;
             for u in &updates {
                 self.state.record(place, &u.key.product_id, u.after.updated_at, u.after.deleted);
@@ -280,7 +284,8 @@ impl ChangeFeed {
             max_ack_pending: self.cfg.max_ack_pending,
             ..Default::default()
         };
-        let err = |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.cfg.name));
+        let err =
+            |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.cfg.name));
         match start {
             Some(seq) => {
                 // State is rebuilt from keyframes at every start: the old
@@ -358,7 +363,9 @@ impl ChangeFeed {
             let id = c.key.as_ref().map_or("", |k| k.product_id.as_str());
             let at = u.after.updated_at;
             let k = (u.key.brand_id, u.key.place_id, id);
-            let newer = seen_here.get(&k).map_or_else(|| self.state.is_newer(u.place(), id, at), |&prev| at > prev);
+            let newer = seen_here
+                .get(&k)
+                .map_or_else(|| self.state.is_newer(u.place(), id, at), |&prev| at > prev);
             if newer {
                 seen_here.insert(k, at);
                 updates.push(u);
@@ -384,7 +391,9 @@ impl ChangeFeed {
         handler: &mut H,
     ) -> Result<(), HandlerError> {
         let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
-        let reader = KeyframeReader::new(&self.js, self.subjects.clone()).await.map_err(|e| transient(&e))?;
+        let reader = KeyframeReader::new(&self.js, self.subjects.clone())
+            .await
+            .map_err(|e| transient(&e))?;
         let Some(latest) = reader.latest(place.0, place.1).await.map_err(|e| transient(&e))? else {
             return Ok(());
         };

@@ -27,7 +27,10 @@ struct PlaceState {
 pub enum Check {
     Match,
     /// Our digest differs: the place must be resynced from the keyframe.
-    Drift { ours: Digest, theirs: Digest },
+    Drift {
+        ours: Digest,
+        theirs: Digest,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -111,7 +114,12 @@ mod tests {
     const P: Place = (7, 1);
 
     fn mark(d: Digest, cutoff: i64) -> KeyframeMark {
-        KeyframeMark { digest: d.sum, total: d.count, tombstone_cutoff: cutoff, ..Default::default() }
+        KeyframeMark {
+            digest: d.sum,
+            total: d.count,
+            tombstone_cutoff: cutoff,
+            ..Default::default()
+        }
     }
 
     #[test]

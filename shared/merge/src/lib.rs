@@ -37,11 +37,7 @@ pub enum MergeError {
     #[error(
         "malformed protobuf: unsupported wire type {wire_type} for field {field} at byte {offset}"
     )]
-    UnsupportedWireType {
-        wire_type: u8,
-        field: u32,
-        offset: usize,
-    },
+    UnsupportedWireType { wire_type: u8, field: u32, offset: usize },
     #[error("malformed protobuf: truncated fixed{bits} field {field} at byte {offset}")]
     TruncatedFixed { bits: u8, field: u32, offset: usize },
 }
@@ -104,21 +100,14 @@ pub fn merge(base: &[u8], patch: &[u8], clear: &[u32]) -> Result<Vec<u8>, MergeE
     let patch_entries = parse_sorted(patch)?;
     let mut out = Vec::with_capacity(base.len() + patch.len());
     // `clear` is a handful of field numbers, so a linear scan beats sorting it.
-    for_each_field(
-        &base_entries,
-        &patch_entries,
-        |field, from_base, from_patch| {
-            if clear.contains(&field) {
-                return;
-            }
-            let (bytes, run) = if from_patch.is_empty() {
-                (base, from_base)
-            } else {
-                (patch, from_patch)
-            };
-            put_entries(&mut out, bytes, run);
-        },
-    );
+    for_each_field(&base_entries, &patch_entries, |field, from_base, from_patch| {
+        if clear.contains(&field) {
+            return;
+        }
+        let (bytes, run) =
+            if from_patch.is_empty() { (base, from_base) } else { (patch, from_patch) };
+        put_entries(&mut out, bytes, run);
+    });
     Ok(out)
 }
 
@@ -192,18 +181,11 @@ fn parse(bytes: &[u8]) -> Result<Vec<Entry>, MergeError> {
         let (wire, varint, end) = match wire_type {
             0 => (Wire::Varint, read_varint(bytes, &mut pos)?, pos),
             1 | 5 => {
-                let (wire, bits) = if wire_type == 1 {
-                    (Wire::Fixed64, 64)
-                } else {
-                    (Wire::Fixed32, 32)
-                };
+                let (wire, bits) =
+                    if wire_type == 1 { (Wire::Fixed64, 64) } else { (Wire::Fixed32, 32) };
                 let end = start + usize::from(bits / 8);
                 if end > bytes.len() {
-                    return Err(MergeError::TruncatedFixed {
-                        bits,
-                        field,
-                        offset,
-                    });
+                    return Err(MergeError::TruncatedFixed { bits, field, offset });
                 }
                 (wire, 0, end)
             }
@@ -215,31 +197,15 @@ fn parse(bytes: &[u8]) -> Result<Vec<Entry>, MergeError> {
                     .and_then(|len| start.checked_add(len))
                     .filter(|&end| end <= bytes.len())
                     .ok_or(MergeError::TruncatedLengthDelimited { field, offset })?;
-                entries.push(Entry {
-                    field,
-                    wire: Wire::Len,
-                    varint: 0,
-                    start,
-                    end,
-                });
+                entries.push(Entry { field, wire: Wire::Len, varint: 0, start, end });
                 pos = end;
                 continue;
             }
             _ => {
-                return Err(MergeError::UnsupportedWireType {
-                    wire_type,
-                    field,
-                    offset,
-                });
+                return Err(MergeError::UnsupportedWireType { wire_type, field, offset });
             }
         };
-        entries.push(Entry {
-            field,
-            wire,
-            varint,
-            start,
-            end,
-        });
+        entries.push(Entry { field, wire, varint, start, end });
         pos = end;
     }
     Ok(entries)
@@ -332,24 +298,15 @@ mod tests {
             (&[0x08, 0x01, 0x12], "truncated varint at byte 3"),
             (&eleven, "varint too long at byte 1"),
             (&ten_byte_varint(0x02), "varint too long at byte 1"),
-            (
-                &[0x08, 1, 0x3a, 5, b'a'],
-                "truncated length-delimited field 7 at byte 2",
-            ),
+            (&[0x08, 1, 0x3a, 5, b'a'], "truncated length-delimited field 7 at byte 2"),
             (&huge_len, "truncated length-delimited field 1 at byte 0"),
             (&[0x00, 0x01], "field number 0 out of range at byte 0"),
             (&too_big, "field number 536870912 out of range at byte 0"),
             (&[0x0d, 1, 2, 3], "truncated fixed32 field 1 at byte 0"),
-            (
-                &[0x08, 0, 0x11, 1, 2, 3, 4, 5, 6, 7],
-                "truncated fixed64 field 2 at byte 2",
-            ),
+            (&[0x08, 0, 0x11, 1, 2, 3, 4, 5, 6, 7], "truncated fixed64 field 2 at byte 2"),
         ];
         for (bytes, want) in cases {
-            assert_eq!(
-                err(bytes).to_string(),
-                format!("malformed protobuf: {want}")
-            );
+            assert_eq!(err(bytes).to_string(), format!("malformed protobuf: {want}"));
         }
     }
 
@@ -365,14 +322,8 @@ mod tests {
 
     #[test]
     fn edge_values_are_accepted() {
-        assert_eq!(
-            canonicalize(&ten_byte_varint(0x01)),
-            Ok(ten_byte_varint(0x01))
-        );
-        assert_eq!(
-            canonicalize(&[0x0d, 1, 2, 3, 4]),
-            Ok(vec![0x0d, 1, 2, 3, 4])
-        );
+        assert_eq!(canonicalize(&ten_byte_varint(0x01)), Ok(ten_byte_varint(0x01)));
+        assert_eq!(canonicalize(&[0x0d, 1, 2, 3, 4]), Ok(vec![0x0d, 1, 2, 3, 4]));
         let mut max_field = Vec::new();
         put_varint(&mut max_field, MAX_FIELD << 3);
         max_field.push(0x01);
@@ -382,20 +333,11 @@ mod tests {
     #[test]
     fn tags_varints_and_lengths_are_re_encoded_minimally() {
         // Tag of field 1 / varint written 0x88 0x00, the value 1 as 0x81 0x00.
-        assert_eq!(
-            canonicalize(&[0x88, 0x00, 0x81, 0x00]),
-            Ok(vec![0x08, 0x01])
-        );
+        assert_eq!(canonicalize(&[0x88, 0x00, 0x81, 0x00]), Ok(vec![0x08, 0x01]));
         // Field 2 LEN with its length 1 written 0x81 0x80 0x00.
-        assert_eq!(
-            canonicalize(&[0x12, 0x81, 0x80, 0x00, b'x']),
-            Ok(vec![0x12, 0x01, b'x'])
-        );
+        assert_eq!(canonicalize(&[0x12, 0x81, 0x80, 0x00, b'x']), Ok(vec![0x12, 0x01, b'x']));
         // Redundant encodings alone are not a change.
-        assert_eq!(
-            changed_fields(&[0x88, 0x00, 0x81, 0x00], &[0x08, 0x01]),
-            Ok(vec![])
-        );
+        assert_eq!(changed_fields(&[0x88, 0x00, 0x81, 0x00], &[0x08, 0x01]), Ok(vec![]));
     }
 
     #[test]

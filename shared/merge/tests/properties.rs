@@ -61,11 +61,7 @@ fn numbers(fields: &[(u32, Value)]) -> Vec<u32> {
 }
 
 fn entries_of(fields: &[(u32, Value)], field: u32) -> Fields {
-    fields
-        .iter()
-        .filter(|(f, _)| *f == field)
-        .cloned()
-        .collect()
+    fields.iter().filter(|(f, _)| *f == field).cloned().collect()
 }
 
 /// The PATCH rule, spelled out the slow and obvious way.
@@ -75,21 +71,14 @@ fn model_merge(base: &[(u32, Value)], patch: &[(u32, Value)], clear: &[u32]) -> 
     let mut out = Fields::new();
     for field in numbers(&all).into_iter().filter(|f| !clear.contains(f)) {
         let from_patch = entries_of(patch, field);
-        out.extend(if from_patch.is_empty() {
-            entries_of(base, field)
-        } else {
-            from_patch
-        });
+        out.extend(if from_patch.is_empty() { entries_of(base, field) } else { from_patch });
     }
     out
 }
 
 fn model_changed(a: &[(u32, Value)], b: &[(u32, Value)]) -> Vec<u32> {
     let all: Fields = a.iter().chain(b).cloned().collect();
-    numbers(&all)
-        .into_iter()
-        .filter(|&f| entries_of(a, f) != entries_of(b, f))
-        .collect()
+    numbers(&all).into_iter().filter(|&f| entries_of(a, f) != entries_of(b, f)).collect()
 }
 
 /// Known Product numbers, unknown ones and the largest legal one, drawn so
@@ -127,14 +116,7 @@ fn amount() -> impl Strategy<Value = i64> {
 
 fn product() -> impl Strategy<Value = Product> {
     let (opt_text, opt_amount) = (|| option::of(text()), || option::of(amount()));
-    let parts = (
-        opt_text(),
-        opt_text(),
-        opt_amount(),
-        opt_amount(),
-        opt_text(),
-        opt_amount(),
-    );
+    let parts = (opt_text(), opt_text(), opt_amount(), opt_amount(), opt_text(), opt_amount());
     (parts, vec(text(), 0..4), opt_text()).prop_map(|(p, images, description)| Product {
         title: p.0,
         category: p.1,

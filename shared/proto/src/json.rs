@@ -8,13 +8,13 @@
 //! decoding, so they are listed under `unknown_data_fields` /
 //! `unknown_state_fields` instead of vanishing silently.
 
+use crate::{
+    Change, ChangeKind, Command, CommandKind, KeyframeMark, Origin, Product, Record, RecordKey,
+    RecordState, Rejection, product_field,
+};
 use chrono::{DateTime, SecondsFormat};
 use prost::Message;
 use serde_json::{Map, Value, json};
-use crate::{
-    Change, ChangeKind, Command, CommandKind, KeyframeMark, Origin, Product, Record, RecordKey, RecordState,
-    Rejection, product_field,
-};
 
 /// Names of `RecordState` fields by number (1-based).
 const STATE_FIELD_NAMES: [&str; 4] = ["hidden", "reasons", "decided_by", "decided_at"];
@@ -29,30 +29,20 @@ pub fn record_to_json(record: &Record) -> Value {
     m.insert("deleted".into(), record.deleted.into());
     insert_time(&mut m, "created_at", record.created_at);
     insert_time(&mut m, "updated_at", record.updated_at);
-    insert_decoded(
-        &mut m,
-        "data",
-        &record.data,
-        product_field::NAMES.len(),
-        |b| Product::decode(b).map(|p| product_to_json(&p)),
-    );
-    insert_decoded(
-        &mut m,
-        "state",
-        &record.state,
-        STATE_FIELD_NAMES.len(),
-        |b| RecordState::decode(b).map(|s| state_to_json(&s)),
-    );
+    insert_decoded(&mut m, "data", &record.data, product_field::NAMES.len(), |b| {
+        Product::decode(b).map(|p| product_to_json(&p))
+    });
+    insert_decoded(&mut m, "state", &record.state, STATE_FIELD_NAMES.len(), |b| {
+        RecordState::decode(b).map(|s| state_to_json(&s))
+    });
     Value::Object(m)
 }
 
 /// One change: kind, key, `before` / `after` records (null when unset),
 /// changed fields by name, origin.
 pub fn change_to_json(change: &Change) -> Value {
-    let kind = ChangeKind::try_from(change.kind).map_or_else(
-        |_| Value::from(change.kind),
-        |k| Value::from(change_kind_name(k)),
-    );
+    let kind = ChangeKind::try_from(change.kind)
+        .map_or_else(|_| Value::from(change.kind), |k| Value::from(change_kind_name(k)));
     json!({
         "kind": kind,
         "key": key_json(change.key.as_ref()),
@@ -82,23 +72,15 @@ pub fn rejection_to_json(rejection: &Rejection) -> Value {
     let mut m = Map::new();
     m.insert("reason".into(), rejection.reason.clone().into());
     m.insert("detail".into(), rejection.detail.clone().into());
-    let key = rejection
-        .key
-        .as_ref()
-        .or_else(|| rejection.command.as_ref().and_then(|c| c.key.as_ref()));
+    let key =
+        rejection.key.as_ref().or_else(|| rejection.command.as_ref().and_then(|c| c.key.as_ref()));
     m.insert("key".into(), key_json(key));
-    m.insert(
-        "origin".into(),
-        rejection.origin.as_ref().map_or(Value::Null, origin_json),
-    );
+    m.insert("origin".into(), rejection.origin.as_ref().map_or(Value::Null, origin_json));
     if let Some(cmd) = &rejection.command {
         m.insert("command".into(), command_to_json(cmd));
     }
     if !rejection.raw.is_empty() {
-        m.insert(
-            "raw".into(),
-            String::from_utf8_lossy(&rejection.raw).into_owned().into(),
-        );
+        m.insert("raw".into(), String::from_utf8_lossy(&rejection.raw).into_owned().into());
     }
     Value::Object(m)
 }
@@ -151,10 +133,7 @@ pub fn product_to_json(p: &Product) -> Value {
     put("currency", p.currency.clone().map(Value::from));
     put("stock", p.stock.map(Value::from));
     // A repeated field has no presence of its own: empty is not on the wire.
-    put(
-        "images",
-        (!p.images.is_empty()).then(|| Value::from(p.images.clone())),
-    );
+    put("images", (!p.images.is_empty()).then(|| Value::from(p.images.clone())));
     put("description", p.description.clone().map(Value::from));
     Value::Object(m)
 }
@@ -184,9 +163,10 @@ pub fn rfc3339_micros(us: i64) -> Option<String> {
 }
 
 fn key_json(key: Option<&RecordKey>) -> Value {
-    key.map_or(Value::Null, |k| {
-        json!({"brand_id": k.brand_id, "place_id": k.place_id, "product_id": k.product_id})
-    })
+    key.map_or(
+        Value::Null,
+        |k| json!({"brand_id": k.brand_id, "place_id": k.place_id, "product_id": k.product_id}),
+    )
 }
 
 fn origin_json(o: &Origin) -> Value {
@@ -236,11 +216,8 @@ fn insert_decoded(
 /// Top-level field numbers above `known` present in a protobuf message,
 /// sorted and deduplicated.
 fn unknown_fields(bytes: &[u8], known: u32) -> Vec<u32> {
-    let mut out: Vec<u32> = wire_field_numbers(bytes)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|&f| f > known)
-        .collect();
+    let mut out: Vec<u32> =
+        wire_field_numbers(bytes).unwrap_or_default().into_iter().filter(|&f| f > known).collect();
     out.sort_unstable();
     out.dedup();
     out
@@ -348,11 +325,7 @@ mod tests {
             ..Default::default()
         };
         let v = record_to_json(&record(&p, &RecordState::default()));
-        assert_eq!(
-            v["data"],
-            json!({"title": "Roses", "price": 0, "stock": 0}),
-            "{v:#}"
-        );
+        assert_eq!(v["data"], json!({"title": "Roses", "price": 0, "stock": 0}), "{v:#}");
         assert_eq!(v["state"], json!({}));
         assert_eq!(v["key"]["product_id"], "sku-1");
         assert_eq!(v["updated_at"], 1_700_000_000_123_456_i64);
@@ -362,10 +335,7 @@ mod tests {
 
     #[test]
     fn images_are_an_array_and_state_is_decoded() {
-        let p = Product {
-            images: vec!["a.jpg".into(), "b.jpg".into()],
-            ..Default::default()
-        };
+        let p = Product { images: vec!["a.jpg".into(), "b.jpg".into()], ..Default::default() };
         let s = RecordState {
             hidden: Some(true),
             reasons: vec!["price_jump".into()],
@@ -382,17 +352,10 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_listed_not_lost() {
-        let mut data = Product {
-            price: Some(100),
-            ..Default::default()
-        }
-        .encode_to_vec();
+        let mut data = Product { price: Some(100), ..Default::default() }.encode_to_vec();
         // Field 12, varint 1; field 9, length-delimited "x".
         data.extend_from_slice(&[12 << 3, 1, (9 << 3) | 2, 1, b'x']);
-        let r = Record {
-            data,
-            ..Default::default()
-        };
+        let r = Record { data, ..Default::default() };
         let v = record_to_json(&r);
         assert_eq!(v["data"], json!({"price": 100}));
         assert_eq!(v["unknown_data_fields"], json!([9, 12]));
@@ -400,10 +363,7 @@ mod tests {
 
     #[test]
     fn undecodable_data_is_shown_raw() {
-        let r = Record {
-            data: vec![0x0a, 0x05, b'a'],
-            ..Default::default()
-        };
+        let r = Record { data: vec![0x0a, 0x05, b'a'], ..Default::default() };
         let v = record_to_json(&r);
         assert!(v["data"].is_null());
         assert_eq!(v["data_hex"], "0a0561");
@@ -412,8 +372,10 @@ mod tests {
 
     #[test]
     fn change_names_fields_and_kind() {
-        let before = record(&Product { price: Some(100), ..Default::default() }, &RecordState::default());
-        let after = record(&Product { price: Some(90), ..Default::default() }, &RecordState::default());
+        let before =
+            record(&Product { price: Some(100), ..Default::default() }, &RecordState::default());
+        let after =
+            record(&Product { price: Some(90), ..Default::default() }, &RecordState::default());
         let c = Change {
             key: before.key.clone(),
             before: Some(before),
@@ -436,11 +398,7 @@ mod tests {
         assert_eq!(v["origin"]["source"], "flowers");
         assert!(v["origin"].get("published_at_rfc3339").is_none());
 
-        let created = Change {
-            kind: ChangeKind::Created as i32,
-            before: None,
-            ..c
-        };
+        let created = Change { kind: ChangeKind::Created as i32, before: None, ..c };
         let v = change_to_json(&created);
         assert_eq!(v["kind"], "created");
         assert!(v["before"].is_null());

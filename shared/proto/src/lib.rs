@@ -42,16 +42,8 @@ pub mod product_field {
     }
 
     /// All feed field names, in field-number order.
-    pub const NAMES: [&str; 8] = [
-        "title",
-        "category",
-        "price",
-        "old_price",
-        "currency",
-        "stock",
-        "images",
-        "description",
-    ];
+    pub const NAMES: [&str; 8] =
+        ["title", "category", "price", "old_price", "currency", "stock", "images", "description"];
 }
 
 /// Top-level field numbers of `RecordState`.
@@ -68,14 +60,11 @@ pub mod msg_type {
     pub const CHANGE_BATCH: &str = "shelfsync.v1.ChangeBatch";
     pub const REJECTION_BATCH: &str = "shelfsync.v1.RejectionBatch";
     pub const KEYFRAME_BATCH: &str = "shelfsync.v1.KeyframeBatch";
+    pub const AGGREGATE_CHANGE: &str = "shelfsync.v1.AggregateChange";
 }
 
 impl RecordKey {
     pub fn new(brand_id: i64, place_id: i64, product_id: impl Into<String>) -> Self {
-        Self {
-            brand_id,
-            place_id,
-            product_id: product_id.into(),
-        }
+        Self { brand_id, place_id, product_id: product_id.into() }
     }
 }

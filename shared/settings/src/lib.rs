@@ -23,10 +23,7 @@ pub enum SettingsError {
 }
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> SettingsError {
-    SettingsError::Invalid {
-        key: key.into(),
-        reason: reason.into(),
-    }
+    SettingsError::Invalid { key: key.into(), reason: reason.into() }
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -38,6 +35,123 @@ pub struct Settings {
     pub ingest: IngestSettings,
     pub telemetry: TelemetrySettings,
     pub partners: Vec<PartnerSettings>,
+    pub validator: ValidatorSettings,
+    pub aggregator: AggregatorSettings,
+    pub recommender: RecommenderSettings,
+}
+
+/// One validation rule: `kind` picks the check, `reason` is what a hidden
+/// record's state says.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSettings {
+    pub name: String,
+    pub kind: RuleKind,
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// For `price_jump`: the largest allowed drop, in percent of the old price.
+    #[serde(default)]
+    pub max_drop_pct: Option<f64>,
+    /// For `price_jump`: the largest allowed rise, in percent of the old price.
+    #[serde(default)]
+    pub max_rise_pct: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuleKind {
+    NonPositivePrice,
+    PriceJump,
+    OldPriceBelowPrice,
+    NegativeStock,
+    MissingTitle,
+    MissingCategory,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidatorSettings {
+    /// Durable consumer shared by every validator replica.
+    pub consumer: String,
+    pub http_listen: String,
+    pub rules: Vec<RuleSettings>,
+}
+
+impl Default for ValidatorSettings {
+    fn default() -> Self {
+        let rule = |name: &str, kind, reason: &str| RuleSettings {
+            name: name.into(),
+            kind,
+            reason: Some(reason.into()),
+            max_drop_pct: None,
+            max_rise_pct: None,
+        };
+        Self {
+            consumer: "validator".into(),
+            http_listen: "127.0.0.1:8082".into(),
+            rules: vec![
+                rule("non_positive_price", RuleKind::NonPositivePrice, "price is not positive"),
+                RuleSettings {
+                    max_drop_pct: Some(90.0),
+                    max_rise_pct: Some(1000.0),
+                    ..rule("price_jump", RuleKind::PriceJump, "price moved too far at once")
+                },
+                rule(
+                    "old_price_below_price",
+                    RuleKind::OldPriceBelowPrice,
+                    "old price is below the price",
+                ),
+                rule("negative_stock", RuleKind::NegativeStock, "stock is negative"),
+                rule("missing_title", RuleKind::MissingTitle, "title is missing"),
+                rule("missing_category", RuleKind::MissingCategory, "category is missing"),
+            ],
+        }
+    }
+}
+
+/// A place of the region directory.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlaceRegion {
+    pub brand_id: i64,
+    pub place_id: i64,
+    pub region: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AggregatorSettings {
+    pub consumer: String,
+    pub http_listen: String,
+    /// The place → region directory (reference data).
+    pub places: Vec<PlaceRegion>,
+    /// Region of places not in the directory; unset: such places are ignored.
+    pub default_region: Option<String>,
+}
+
+impl Default for AggregatorSettings {
+    fn default() -> Self {
+        Self {
+            consumer: "aggregator".into(),
+            http_listen: "127.0.0.1:8083".into(),
+            places: Vec::new(),
+            default_region: Some("default".into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RecommenderSettings {
+    pub http_listen: String,
+    pub default_top_n: usize,
+    pub max_top_n: usize,
+}
+
+impl Default for RecommenderSettings {
+    fn default() -> Self {
+        Self { http_listen: "127.0.0.1:8084".into(), default_top_n: 10, max_top_n: 100 }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -86,12 +200,7 @@ impl Default for NatsSettings {
 impl NatsSettings {
     /// The server URLs, split on commas.
     pub fn urls(&self) -> Vec<String> {
-        self.url
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect()
+        self.url.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
     }
 }
 
@@ -107,22 +216,13 @@ pub struct RedisSettings {
 
 impl Default for RedisSettings {
     fn default() -> Self {
-        Self {
-            url: "redis://127.0.0.1:6379".into(),
-            cluster: false,
-            namespace: "ss".into(),
-        }
+        Self { url: "redis://127.0.0.1:6379".into(), cluster: false, namespace: "ss".into() }
     }
 }
 
 impl RedisSettings {
     pub fn urls(&self) -> Vec<String> {
-        self.url
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect()
+        self.url.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
     }
 }
 
@@ -182,9 +282,7 @@ impl Default for StorageSettings {
 impl StorageSettings {
     /// Partitions owned by this replica: `p % replicas == replica`.
     pub fn owned_partitions(&self) -> Vec<u32> {
-        (0..self.partitions)
-            .filter(|p| p % self.replicas == self.replica)
-            .collect()
+        (0..self.partitions).filter(|p| p % self.replicas == self.replica).collect()
     }
 }
 
@@ -222,10 +320,7 @@ pub struct TelemetrySettings {
 
 impl Default for TelemetrySettings {
     fn default() -> Self {
-        Self {
-            log_level: "info".into(),
-            log_format: LogFormat::Text,
-        }
+        Self { log_level: "info".into(), log_format: LogFormat::Text }
     }
 }
 
@@ -278,34 +373,17 @@ pub struct PartnerSettings {
 }
 
 fn all_fields() -> Vec<String> {
-    [
-        "title",
-        "category",
-        "price",
-        "old_price",
-        "currency",
-        "stock",
-        "images",
-        "description",
-    ]
-    .map(String::from)
-    .to_vec()
+    ["title", "category", "price", "old_price", "currency", "stock", "images", "description"]
+        .map(String::from)
+        .to_vec()
 }
 
 fn yes() -> bool {
     true
 }
 
-const KNOWN_FIELDS: [&str; 8] = [
-    "title",
-    "category",
-    "price",
-    "old_price",
-    "currency",
-    "stock",
-    "images",
-    "description",
-];
+const KNOWN_FIELDS: [&str; 8] =
+    ["title", "category", "price", "old_price", "currency", "stock", "images", "description"];
 
 impl Settings {
     /// Loads defaults, then `file` (if any), then the process environment.
@@ -319,10 +397,7 @@ impl Settings {
         let mut builder = config::Config::builder();
         if let Some(path) = file {
             if !path.exists() {
-                return Err(invalid(
-                    "--config",
-                    format!("file {} does not exist", path.display()),
-                ));
+                return Err(invalid("--config", format!("file {} does not exist", path.display())));
             }
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
@@ -371,40 +446,24 @@ impl Settings {
             return Err(invalid("redis.url", "no server URL"));
         }
         if !self.redis.cluster && self.redis.urls().len() > 1 {
-            return Err(invalid(
-                "redis.url",
-                "several URLs need `redis.cluster = true`",
-            ));
+            return Err(invalid("redis.url", "several URLs need `redis.cluster = true`"));
         }
         if self.redis.namespace.is_empty()
-            || !self
-                .redis
-                .namespace
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+            || !self.redis.namespace.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
         {
-            return Err(invalid(
-                "redis.namespace",
-                "must be non-empty [A-Za-z0-9_.-]",
-            ));
+            return Err(invalid("redis.namespace", "must be non-empty [A-Za-z0-9_.-]"));
         }
         let s = &self.storage;
         if !(1..=4096).contains(&s.partitions) {
             return Err(invalid("storage.partitions", "must be between 1 and 4096"));
         }
         if s.replicas == 0 || s.replicas > s.partitions {
-            return Err(invalid(
-                "storage.replicas",
-                "must be between 1 and storage.partitions",
-            ));
+            return Err(invalid("storage.replicas", "must be between 1 and storage.partitions"));
         }
         if s.replica >= s.replicas {
             return Err(invalid(
                 "storage.replica",
-                format!(
-                    "{} is not below storage.replicas = {}",
-                    s.replica, s.replicas
-                ),
+                format!("{} is not below storage.replicas = {}", s.replica, s.replicas),
             ));
         }
         if !s.keyframe_schedule.trim().is_empty() {
@@ -428,31 +487,59 @@ impl Settings {
         if !(1..=1000).contains(&self.ingest.batch_size) {
             return Err(invalid("ingest.batch_size", "must be between 1 and 1000"));
         }
+        let mut rule_names = HashSet::new();
+        for (i, r) in self.validator.rules.iter().enumerate() {
+            if !rule_names.insert(r.name.as_str()) {
+                return Err(invalid(
+                    format!("validator.rules[{i}].name"),
+                    format!("rule `{}` is defined twice", r.name),
+                ));
+            }
+            for (k, v) in [("max_drop_pct", r.max_drop_pct), ("max_rise_pct", r.max_rise_pct)] {
+                if v.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
+                    return Err(invalid(
+                        format!("validator.rules[{i}].{k}"),
+                        "must be a positive number",
+                    ));
+                }
+            }
+        }
+        let mut seen_places = HashSet::new();
+        for (i, p) in self.aggregator.places.iter().enumerate() {
+            if p.region.is_empty() {
+                return Err(invalid(format!("aggregator.places[{i}].region"), "must not be empty"));
+            }
+            if !seen_places.insert((p.brand_id, p.place_id)) {
+                return Err(invalid(
+                    format!("aggregator.places[{i}]"),
+                    format!("place {}/{} is listed twice", p.brand_id, p.place_id),
+                ));
+            }
+        }
+        if self.recommender.default_top_n == 0
+            || self.recommender.default_top_n > self.recommender.max_top_n
+        {
+            return Err(invalid(
+                "recommender.default_top_n",
+                "must be between 1 and recommender.max_top_n",
+            ));
+        }
         let mut names = HashSet::new();
         for (i, p) in self.partners.iter().enumerate() {
             let key = |k: &str| format!("partners[{i}].{k}");
             if p.name.is_empty()
-                || !p
-                    .name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+                || !p.name.chars().all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
             {
                 return Err(invalid(key("name"), "must be non-empty [A-Za-z0-9_-]"));
             }
             if !names.insert(p.name.as_str()) {
-                return Err(invalid(
-                    key("name"),
-                    format!("partner `{}` is defined twice", p.name),
-                ));
+                return Err(invalid(key("name"), format!("partner `{}` is defined twice", p.name)));
             }
             if p.brand_id <= 0 {
                 return Err(invalid(key("brand_id"), "must be positive"));
             }
             if p.fields.is_empty() {
-                return Err(invalid(
-                    key("fields"),
-                    "a partner must own at least one field",
-                ));
+                return Err(invalid(key("fields"), "a partner must own at least one field"));
             }
             for f in &p.fields {
                 if !KNOWN_FIELDS.contains(&f.as_str()) {
@@ -467,6 +554,16 @@ impl Settings {
             }
         }
         Ok(())
+    }
+
+    /// The region of a place, from the aggregator's directory.
+    pub fn region_of(&self, brand_id: i64, place_id: i64) -> Option<&str> {
+        self.aggregator
+            .places
+            .iter()
+            .find(|p| p.brand_id == brand_id && p.place_id == place_id)
+            .map(|p| p.region.as_str())
+            .or(self.aggregator.default_region.as_deref())
     }
 
     pub fn partner(&self, name: &str) -> Option<&PartnerSettings> {
@@ -490,17 +587,12 @@ fn parse_env_value(value: &str) -> config::Value {
 fn validate_prefix(prefix: &str) -> Result<(), SettingsError> {
     let ok = !prefix.is_empty()
         && prefix.split('.').all(|t| {
-            !t.is_empty()
-                && t.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
         });
     if ok {
         Ok(())
     } else {
-        Err(invalid(
-            "nats.prefix",
-            "must be dot-separated tokens of [A-Za-z0-9_-]",
-        ))
+        Err(invalid("nats.prefix", "must be dot-separated tokens of [A-Za-z0-9_-]"))
     }
 }
 
@@ -509,10 +601,7 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     #[test]
@@ -569,10 +658,7 @@ source = "https://partner.example/feed.json"
         // SHELFSYNC__ wins over NATS_URL.
         let s = Settings::load_from(
             None,
-            &env(&[
-                ("NATS_URL", "nats://b:4222"),
-                ("SHELFSYNC__NATS__URL", "nats://c:4222"),
-            ]),
+            &env(&[("NATS_URL", "nats://b:4222"), ("SHELFSYNC__NATS__URL", "nats://c:4222")]),
         )
         .expect("load");
         assert_eq!(s.nats.url, "nats://c:4222");
@@ -588,21 +674,24 @@ source = "https://partner.example/feed.json"
                 "[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"full\"\nfields = [\"colour\"]",
                 "unknown field `colour`",
             ),
-            (
-                "[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"sometimes\"",
-                "sometimes",
-            ),
+            ("[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"sometimes\"", "sometimes"),
             ("[storage]\npartitions = \"many\"", "partitions"),
             ("[storage]\ntombstone_ttl = \"soon\"", "tombstone_ttl"),
             ("[storage]\nkeyframe_schedule = \"nightly\"", "keyframe_schedule"),
+            ("[[validator.rules]]\nname = \"x\"\nkind = \"sometimes\"", "sometimes"),
+            (
+                "[[validator.rules]]\nname = \"j\"\nkind = \"price_jump\"\nmax_drop_pct = -1",
+                "max_drop_pct",
+            ),
+            (
+                "[[aggregator.places]]\nbrand_id = 1\nplace_id = 2\nregion = \"a\"\n[[aggregator.places]]\nbrand_id = 1\nplace_id = 2\nregion = \"b\"",
+                "listed twice",
+            ),
             ("[nats]\nurl = \"nats://x\"\nbogus = 1", "bogus"),
         ];
         for (text, needle) in cases {
             let err = Settings::from_toml(text).expect_err(text).to_string();
-            assert!(
-                err.contains(needle),
-                "error for {text:?} was {err:?}, expected {needle:?}"
-            );
+            assert!(err.contains(needle), "error for {text:?} was {err:?}, expected {needle:?}");
         }
     }
 

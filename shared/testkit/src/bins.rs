@@ -21,10 +21,7 @@ pub fn workspace_bin(name: &str) -> anyhow::Result<PathBuf> {
     }
     let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     if !path.is_file() {
-        bail!(
-            "workspace binary {} not found; run `cargo build --workspace` first",
-            path.display()
-        );
+        bail!("workspace binary {} not found; run `cargo build --workspace` first", path.display());
     }
     Ok(path)
 }
@@ -87,9 +84,7 @@ fn nats_version(bin: &Path) -> Option<(u32, u32)> {
 }
 
 fn parse_version(text: &str) -> Option<(u32, u32)> {
-    let version = text
-        .split_whitespace()
-        .find_map(|word| word.strip_prefix('v'))?;
+    let version = text.split_whitespace().find_map(|word| word.strip_prefix('v'))?;
     let mut parts = version.split('.');
     let major = parts.next()?.parse().ok()?;
     let minor = parts.next()?.parse().ok()?;
@@ -98,10 +93,7 @@ fn parse_version(text: &str) -> Option<(u32, u32)> {
 
 fn python_scripts_dir() -> Option<PathBuf> {
     let out = Command::new("python3")
-        .args([
-            "-c",
-            "import sysconfig;print(sysconfig.get_path('scripts'))",
-        ])
+        .args(["-c", "import sysconfig;print(sysconfig.get_path('scripts'))"])
         .output()
         .ok()?;
     let dir = String::from_utf8(out.stdout).ok()?;
@@ -111,10 +103,7 @@ fn python_scripts_dir() -> Option<PathBuf> {
 /// Every file called `name` on PATH, in PATH order.
 fn on_path(name: &str) -> Vec<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(name))
-        .filter(|p| p.is_file())
-        .collect()
+    std::env::split_paths(&path).map(|dir| dir.join(name)).filter(|p| p.is_file()).collect()
 }
 
 #[cfg(test)]
@@ -132,11 +121,7 @@ mod tests {
     #[test]
     fn finds_a_current_nats_server() -> anyhow::Result<()> {
         let bin = nats_server_bin()?;
-        assert!(
-            nats_version(&bin).is_some_and(|v| v >= MIN_NATS_VERSION),
-            "{}",
-            bin.display()
-        );
+        assert!(nats_version(&bin).is_some_and(|v| v >= MIN_NATS_VERSION), "{}", bin.display());
         Ok(())
     }
 }

@@ -38,12 +38,7 @@ impl TestEnv {
     pub async fn start() -> anyhow::Result<TestEnv> {
         let (nats, redis) = tokio::try_join!(NatsServer::start(), RedisServer::start())?;
         let prefix = unique_name();
-        Ok(TestEnv {
-            nats,
-            redis,
-            namespace: prefix.clone(),
-            prefix,
-        })
+        Ok(TestEnv { nats, redis, namespace: prefix.clone(), prefix })
     }
 }
 
@@ -90,11 +85,7 @@ mod tests {
         for name in [a, b] {
             assert_eq!(name.len(), 11, "{name}");
             assert!(name.starts_with('t'));
-            assert!(
-                name.bytes()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
-                "{name}"
-            );
+            assert!(name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()), "{name}");
         }
     }
 
@@ -113,10 +104,7 @@ mod tests {
     #[tokio::test]
     #[should_panic(expected = "timed out waiting for the impossible")]
     async fn eventually_panics_on_timeout() {
-        eventually(Duration::from_millis(100), "the impossible", || async {
-            false
-        })
-        .await;
+        eventually(Duration::from_millis(100), "the impossible", || async { false }).await;
     }
 
     #[tokio::test]

@@ -32,20 +32,11 @@ impl NatsServer {
     /// Like [`NatsServer::start`], with `extra_conf` appended to the generated config (auth,
     /// limits, ...). It must not override `listen`, `http` or `server_name`.
     pub async fn start_with_config(extra_conf: &str) -> anyhow::Result<NatsServer> {
-        let dir = tempfile::Builder::new()
-            .prefix("shelfsync-nats-")
-            .tempdir()?;
+        let dir = tempfile::Builder::new().prefix("shelfsync-nats-").tempdir()?;
         let proc = Proc::new(nats_server_bin()?, dir.path().join("nats-server.log"));
         let name = format!("testkit_{:016x}", process::random_u64());
         let store_dir = dir.path().join("js");
-        let mut server = NatsServer {
-            proc,
-            port: 0,
-            monitor_port: 0,
-            name,
-            store_dir,
-            dir,
-        };
+        let mut server = NatsServer { proc, port: 0, monitor_port: 0, name, store_dir, dir };
         for attempt in 1..=START_ATTEMPTS {
             [server.port, server.monitor_port] = process::free_ports()?;
             let conf_path = server.write_config(extra_conf)?;
@@ -112,9 +103,7 @@ impl NatsServer {
         self.proc.spawn(fresh_log)?;
         let (port, monitor_port, name) = (self.port, self.monitor_port, self.name.clone());
         let what = format!("nats-server on port {port}");
-        self.proc
-            .wait_ready(&what, || probe(port, monitor_port, name.clone()))
-            .await
+        self.proc.wait_ready(&what, || probe(port, monitor_port, name.clone())).await
     }
 }
 
@@ -122,9 +111,7 @@ impl NatsServer {
 /// which also covers JetStream having recovered its streams after a restart.
 async fn probe(port: u16, monitor_port: u16, name: String) -> anyhow::Result<()> {
     let mut info = String::new();
-    BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?)
-        .read_line(&mut info)
-        .await?;
+    BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?).read_line(&mut info).await?;
     if !info.starts_with("INFO ") || !info.contains(&format!("\"server_name\":\"{name}\"")) {
         bail!("unexpected greeting: {info:?}");
     }
@@ -132,15 +119,10 @@ async fn probe(port: u16, monitor_port: u16, name: String) -> anyhow::Result<()>
         bail!("JetStream not enabled yet");
     }
     let mut http = TcpStream::connect(("127.0.0.1", monitor_port)).await?;
-    http.write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await?;
+    http.write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").await?;
     let mut response = String::new();
     http.read_to_string(&mut response).await?;
-    if !response
-        .lines()
-        .next()
-        .is_some_and(|status| status.contains(" 200 "))
-    {
+    if !response.lines().next().is_some_and(|status| status.contains(" 200 ")) {
         bail!("healthz not ok: {response:?}");
     }
     Ok(())
@@ -152,9 +134,7 @@ mod tests {
 
     async fn greeting(port: u16) -> anyhow::Result<String> {
         let mut info = String::new();
-        BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?)
-            .read_line(&mut info)
-            .await?;
+        BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?).read_line(&mut info).await?;
         Ok(info)
     }
 
@@ -163,11 +143,7 @@ mod tests {
         let server = NatsServer::start().await?;
         assert_ne!(server.port(), 4222);
         assert_eq!(server.url(), format!("nats://127.0.0.1:{}", server.port()));
-        assert!(
-            greeting(server.port())
-                .await?
-                .contains("\"jetstream\":true")
-        );
+        assert!(greeting(server.port()).await?.contains("\"jetstream\":true"));
         assert!(server.log_path().is_file());
         Ok(())
     }
@@ -177,10 +153,7 @@ mod tests {
         let mut server = NatsServer::start().await?;
         let port = server.port();
         server.kill();
-        assert!(
-            greeting(port).await.is_err(),
-            "killed server still accepts connections"
-        );
+        assert!(greeting(port).await.is_err(), "killed server still accepts connections");
         server.restart().await?;
         assert_eq!(server.port(), port);
         assert!(greeting(port).await?.contains("\"jetstream\":true"));
@@ -191,19 +164,13 @@ mod tests {
     #[tokio::test]
     async fn extra_config_is_applied() -> anyhow::Result<()> {
         let server = NatsServer::start_with_config("authorization { token: \"s3cret\" }").await?;
-        assert!(
-            greeting(server.port())
-                .await?
-                .contains("\"auth_required\":true")
-        );
+        assert!(greeting(server.port()).await?.contains("\"auth_required\":true"));
         Ok(())
     }
 
     #[tokio::test]
     async fn bad_config_fails_fast_with_the_log() {
-        let err = NatsServer::start_with_config("this is { not valid")
-            .await
-            .err();
+        let err = NatsServer::start_with_config("this is { not valid").await.err();
         let msg = err.map(|e| format!("{e:#}")).unwrap_or_default();
         assert!(msg.contains("exited"), "{msg}");
     }

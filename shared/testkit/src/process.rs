@@ -32,12 +32,7 @@ pub(crate) struct Proc {
 
 impl Proc {
     pub(crate) fn new(program: PathBuf, log_path: PathBuf) -> Proc {
-        Proc {
-            program,
-            args: Vec::new(),
-            log_path,
-            child: None,
-        }
+        Proc { program, args: Vec::new(), log_path, child: None }
     }
 
     pub(crate) fn set_args(&mut self, args: Vec<OsString>) {
@@ -105,10 +100,7 @@ impl Proc {
             };
             if let Some(status) = exited {
                 self.child = None;
-                bail!(
-                    "{what} exited with {status} while starting; log:\n{}",
-                    self.log_tail()
-                );
+                bail!("{what} exited with {status} while starting; log:\n{}", self.log_tail());
             }
             match tokio::time::timeout(PROBE_TIMEOUT, probe()).await {
                 Ok(Ok(())) => return Ok(()),
@@ -166,9 +158,7 @@ pub(crate) fn random_u64() -> u64 {
     let mut hasher = RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default();
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
     hasher.write_u128(nanos.as_nanos());
     hasher.finish()
 }
@@ -184,20 +174,13 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let mut proc = Proc::new(crate::redis_server_bin()?, dir.path().join("redis.log"));
         proc.set_args(
-            ["--port", &port, "--bind", "127.0.0.1", "--save", ""]
-                .map(OsString::from)
-                .into(),
+            ["--port", &port, "--bind", "127.0.0.1", "--save", ""].map(OsString::from).into(),
         );
         proc.spawn(true)?;
         let started = Instant::now();
-        let err = proc
-            .wait_ready("redis", || async { anyhow::bail!("not ours") })
-            .await;
+        let err = proc.wait_ready("redis", || async { anyhow::bail!("not ours") }).await;
         assert!(format!("{:#}", err.err().context("should fail")?).contains("exited"));
-        assert!(
-            started.elapsed() < READY_TIMEOUT,
-            "should notice the exit, not time out"
-        );
+        assert!(started.elapsed() < READY_TIMEOUT, "should notice the exit, not time out");
         assert!(proc.port_was_taken());
         Ok(())
     }

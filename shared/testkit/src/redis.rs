@@ -29,9 +29,7 @@ impl RedisServer {
     /// Like [`RedisServer::start`], with `args` after the defaults so they override them,
     /// e.g. `["--appendonly", "yes", "--appendfsync", "always"]`. They must not change the port.
     pub async fn start_with_args(args: &[&str]) -> anyhow::Result<RedisServer> {
-        let dir = tempfile::Builder::new()
-            .prefix("shelfsync-redis-")
-            .tempdir()?;
+        let dir = tempfile::Builder::new().prefix("shelfsync-redis-").tempdir()?;
         let proc = Proc::new(redis_server_bin()?, dir.path().join("redis.log"));
         let mut server = RedisServer { proc, port: 0, dir };
         for attempt in 1..=START_ATTEMPTS {
@@ -90,9 +88,7 @@ impl RedisServer {
         self.proc.spawn(fresh_log)?;
         let port = self.port;
         let pid = self.proc.pid().unwrap_or_default();
-        self.proc
-            .wait_ready(&format!("redis-server on port {port}"), || probe(port, pid))
-            .await
+        self.proc.wait_ready(&format!("redis-server on port {port}"), || probe(port, pid)).await
     }
 }
 
@@ -100,18 +96,13 @@ impl RedisServer {
 /// race) with `loading:0` (an AOF or RDB replay has finished).
 async fn probe(port: u16, pid: u32) -> anyhow::Result<()> {
     let mut conn = BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?);
-    conn.get_mut()
-        .write_all(b"*1\r\n$4\r\nPING\r\n*1\r\n$4\r\nINFO\r\n")
-        .await?;
+    conn.get_mut().write_all(b"*1\r\n$4\r\nPING\r\n*1\r\n$4\r\nINFO\r\n").await?;
     let pong = read_line(&mut conn).await?;
     if pong != "+PONG" {
         bail!("PING answered {pong:?}");
     }
     let header = read_line(&mut conn).await?;
-    let Some(len) = header
-        .strip_prefix('$')
-        .and_then(|n| n.parse::<usize>().ok())
-    else {
+    let Some(len) = header.strip_prefix('$').and_then(|n| n.parse::<usize>().ok()) else {
         bail!("INFO answered {header:?}");
     };
     let mut info = vec![0; len + 2];
@@ -160,17 +151,13 @@ mod tests {
                 .await?;
         let port = server.port();
         let mut conn = BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?);
-        conn.get_mut()
-            .write_all(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n")
-            .await?;
+        conn.get_mut().write_all(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n").await?;
         assert_eq!(read_line(&mut conn).await?, "+OK");
         server.kill();
         assert!(ping(port).await.is_err(), "killed server still answers");
         server.restart().await?;
         let mut conn = BufReader::new(TcpStream::connect(("127.0.0.1", port)).await?);
-        conn.get_mut()
-            .write_all(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
-            .await?;
+        conn.get_mut().write_all(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n").await?;
         assert_eq!(read_line(&mut conn).await?, "$1");
         assert_eq!(read_line(&mut conn).await?, "v");
         Ok(())
