@@ -158,7 +158,7 @@ impl App {
             keyframer,
             stop_rx.clone(),
         ));
-        let read = ReadApi::new(self.store.clone(), self.settings.clone());
+        let read = ReadApi::new(self.store.clone(), self.settings.clone(), self.stats.clone());
         side.spawn(read.clone().serve_nats(self.client.clone(), subjects, stop_rx.clone()));
         side.spawn(read.serve_http(self.http, stop_rx.clone()));
 

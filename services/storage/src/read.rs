@@ -7,6 +7,7 @@
 //! - `GET  /v1/records/{brand}/{place}/{product}` → record, or 404
 //! - `POST /v1/records/{brand}/{place}` with `{"product_ids": [...]}` → `{records, missing}`
 //! - `GET  /v1/places/{brand}/{place}/records?cursor=C&limit=N` → `{records, next_cursor}`
+//! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
 //! - `GET  /healthz`, `GET /readyz`
 //!
 //! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
@@ -56,6 +57,7 @@ impl IntoResponse for ReadError {
 pub struct ReadApi {
     store: Store,
     settings: Arc<Settings>,
+    stats: Arc<crate::Stats>,
 }
 
 fn check_product_id(id: &str) -> Result<(), ReadError> {
@@ -69,8 +71,8 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 }
 
 impl ReadApi {
-    pub fn new(store: Store, settings: Arc<Settings>) -> Self {
-        Self { store, settings }
+    pub fn new(store: Store, settings: Arc<Settings>, stats: Arc<crate::Stats>) -> Self {
+        Self { store, settings, stats }
     }
 
     fn partitions(&self) -> u32 {
@@ -223,6 +225,7 @@ impl ReadApi {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
+            .route("/v1/stats", get(|State(api): State<ReadApi>| async move { Json(api.stats.to_json()) }))
             .route("/v1/records/{brand}/{place}/{product}", get(http_get))
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))

@@ -32,6 +32,27 @@ impl Stats {
     pub fn observe_keyframe_place(&self, took: std::time::Duration) {
         self.keyframe_place_max_us.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
     }
+    /// Every counter by name.
+    pub fn to_json(&self) -> serde_json::Value {
+        let g = Self::get;
+        serde_json::json!({
+            "batches": g(&self.batches),
+            "batches_skipped": g(&self.batches_skipped),
+            "commands": g(&self.commands),
+            "applied": g(&self.applied),
+            "unchanged": g(&self.unchanged),
+            "changes": g(&self.changes),
+            "rejected": g(&self.rejected),
+            "sweeps": g(&self.sweeps),
+            "published": g(&self.published),
+            "purged": g(&self.purged),
+            "retries": g(&self.retries),
+            "fenced": g(&self.fenced),
+            "dead_lettered": g(&self.dead_lettered),
+            "keyframe_records": g(&self.keyframe_records),
+            "keyframe_place_max_us": g(&self.keyframe_place_max_us),
+        })
+    }
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }

@@ -309,6 +309,7 @@ impl Worker {
                 now_us: Self::now_us(),
             };
             let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
+            let n_changes = outcome.changes.len() as u64;
             let outbox = self.outbox_entries(seq, outcome.changes, outcome.rejections.clone());
             failpoint::hit("before_commit");
             match self
@@ -321,6 +322,7 @@ impl Worker {
                     s.add(&s.batches, 1);
                     s.add(&s.commands, batch.commands.len() as u64);
                     s.add(&s.applied, outcome.applied);
+                    s.add(&s.changes, n_changes);
                     s.add(&s.unchanged, outcome.unchanged);
                     s.add(&s.rejected, outcome.rejections.len() as u64);
                     s.add(&s.sweeps, batch.sweeps.len() as u64);
@@ -398,7 +400,6 @@ impl Worker {
                     part,
                     ..Default::default()
                 };
-                self.stats.add(&self.stats.changes, batch.changes.len() as u64);
                 out.push(OutboxEntry {
                     subject: self.subjects.changes(b, p),
                     msg_id: format!("chg:{}:{seq}:{part}", self.partition),
