@@ -230,21 +230,18 @@ impl Harness {
         Ok(())
     }
 
-    /// True when every storage consumer has nothing pending or unacked and
+    /// True when every command was acked by storage — the command stream is a
+    /// work queue, so it is then empty (a nak'd message stays in it) — and
     /// every outbox is empty.
     pub async fn settled(&self) -> bool {
-        let Ok(stream) = self.js.get_stream(self.subjects.cmd_stream()).await else {
+        let Ok(mut stream) = self.js.get_stream(self.subjects.cmd_stream()).await else {
             return false;
         };
+        match stream.info().await {
+            Ok(info) if info.state.messages == 0 => {}
+            _ => return false,
+        }
         for p in 0..self.settings.storage.partitions {
-            let name = self.subjects.storage_consumer(Partition(p));
-            let Ok(mut c) = stream.get_consumer::<consumer::pull::Config>(&name).await else {
-                return false;
-            };
-            let Ok(info) = c.info().await else { return false };
-            if info.num_pending > 0 || info.num_ack_pending > 0 {
-                return false;
-            }
             if self.store.outbox_len(p).await.map_or(true, |n| n > 0) {
                 return false;
             }

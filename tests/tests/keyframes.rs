@@ -1,7 +1,7 @@
 //! Keyframes against real nats-server and redis-server (DESIGN §4): the parts,
 //! count and digest of an on-demand snapshot, one-place snapshots, where the
-//! marker sits in the change stream under live writes, the cron schedule and
-//! retention of old keyframes.
+//! marker sits in the change stream under live writes, the cron schedule,
+//! retention of old keyframes, expired tombstones, and two replicas.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -89,19 +89,27 @@ async fn read_filtered(h: &Harness, stream: &str, filter: &str) -> anyhow::Resul
     Ok(out)
 }
 
-/// The keyframes of one place on the KEYFRAMES stream, grouped by id in
-/// stream order, each with its parts in stream order.
+/// The keyframes of one place on the KEYFRAMES stream, grouped by run (id
+/// and snapshot time) in stream order, each with its parts in stream order.
 async fn keyframes_of(h: &Harness, brand: i64, place: i64) -> Vec<(String, Vec<KeyframeBatch>)> {
     let raw = read_filtered(h, &h.subjects.keyframes_stream(), &h.subjects.keyframes(brand, place))
         .await
         .expect("read keyframes");
     let mut out: Vec<(String, Vec<KeyframeBatch>)> = Vec::new();
+    let mut first_seq = 0;
     for m in raw {
         let b = KeyframeBatch::decode(m.payload.as_slice()).expect("KeyframeBatch decodes");
         assert_eq!((b.brand_id, b.place_id), (brand, place), "keyframe part on the wrong subject");
         match out.last_mut() {
-            Some((id, parts)) if *id == b.keyframe_id => parts.push(b),
-            _ => out.push((b.keyframe_id.clone(), vec![b])),
+            // One run: same id and same snapshot time (an id may be reused).
+            Some((id, parts)) if *id == b.keyframe_id && parts[0].as_of == b.as_of => {
+                assert_eq!(b.first_seq, first_seq, "part {} points back at part 0", b.part);
+                parts.push(b);
+            }
+            _ => {
+                first_seq = m.seq;
+                out.push((b.keyframe_id.clone(), vec![b]));
+            }
         }
     }
     out
@@ -127,8 +135,14 @@ fn check_parts(parts: &[KeyframeBatch]) -> (Vec<Record>, &KeyframeBatch) {
         assert_eq!(p.last, i + 1 == parts.len(), "`last` set on the final part only (part {i})");
         assert!(p.records.len() <= 1000, "part {i} holds {} records", p.records.len());
         assert_eq!(
-            (&p.keyframe_id, p.as_of, p.command_seq, p.changes_seq),
-            (&first.keyframe_id, first.as_of, first.command_seq, first.changes_seq),
+            (&p.keyframe_id, p.as_of, p.command_seq, p.changes_seq, p.tombstone_cutoff),
+            (
+                &first.keyframe_id,
+                first.as_of,
+                first.command_seq,
+                first.changes_seq,
+                first.tombstone_cutoff
+            ),
             "parts of one keyframe describe the same snapshot"
         );
         records.extend(p.records.iter().cloned());
@@ -136,6 +150,14 @@ fn check_parts(parts: &[KeyframeBatch]) -> (Vec<Record>, &KeyframeBatch) {
     let last = parts.last().expect("non-empty");
     assert_eq!(last.total as usize, records.len(), "total counts the records carried");
     (records, last)
+}
+
+fn delete(place: i64, id: &str) -> Command {
+    Command {
+        key: Some(RecordKey::new(BRAND, place, id)),
+        kind: CommandKind::Delete as i32,
+        ..Default::default()
+    }
 }
 
 fn product_id(r: &Record) -> &str {
@@ -194,6 +216,8 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
         assert_eq!(sorted(records), state, "place {place}: keyframe differs from storage");
         let d = digest_of(state.iter().map(|r| (product_id(r), r.updated_at)));
         assert_eq!((last.total, last.digest), (d.count, d.sum), "place {place}: total/digest");
+        let ttl = h.settings.storage.tombstone_ttl.as_micros() as i64;
+        assert_eq!(last.tombstone_cutoff, last.as_of - ttl);
         let partition = h.partition(BRAND, place).0;
         assert_eq!(last.command_seq, h.store.applied_seq(partition).await.expect("redis"));
 
@@ -206,6 +230,7 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
             total: d.count,
             digest: d.sum,
             as_of: last.as_of,
+            tombstone_cutoff: last.tombstone_cutoff,
         };
         assert_eq!(marker.keyframe.as_ref(), Some(&expected), "place {place}: marker");
         assert!(before.iter().all(|(_, b)| b.keyframe.is_none()), "one marker per keyframe");
@@ -277,14 +302,10 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
                     let id = sku((n * 7919) % ITEMS);
                     // Prices always move; some records are created and some
                     // deleted (and re-created later), so the set of ids moves too.
-                    let cmd = if n % 11 == 0 {
+                    let cmd = if n.is_multiple_of(11) {
                         patch(BRAND, place, &format!("live-{n}"), &product("new", n as i64, 1), 0)
-                    } else if n % 13 == 0 {
-                        Command {
-                            key: Some(RecordKey::new(BRAND, place, id)),
-                            kind: CommandKind::Delete as i32,
-                            ..Default::default()
-                        }
+                    } else if n.is_multiple_of(13) {
+                        delete(place, &id)
                     } else {
                         let price =
                             Product { price: Some(100_000 + n as i64), ..Default::default() };
@@ -379,6 +400,7 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
             "place {place}: keyframe vs replay"
         );
     }
+    println!("live changes: {live_before} before the markers, {live_after} after");
     assert_eq!(reply.records, records_total);
     assert!(live_before > 0, "no live write landed before the keyframe");
     assert!(live_after > 0, "no live write landed after the keyframe");
@@ -440,4 +462,153 @@ async fn only_the_newest_keyframes_of_a_place_are_kept() {
     let other: Vec<String> =
         keyframes_of(&h, BRAND, 2).await.into_iter().map(|(id, _)| id).collect();
     assert_eq!(other, ["kf-r1"]);
+}
+
+#[tokio::test]
+async fn expired_tombstones_are_left_out_and_fresh_ones_carried() {
+    let (_env, h, _storage) = start(|s| {
+        s.storage.tombstone_ttl = Duration::from_secs(1);
+        // The purge must not get to the expired tombstone before the keyframe.
+        s.storage.purge_interval = Duration::from_secs(3600);
+    })
+    .await;
+    write_places(&h, &[1], 5).await;
+    h.send(vec![delete(1, &sku(0))]).await.expect("send");
+    h.wait_settled().await;
+    let old = h.get(BRAND, 1, &sku(0)).await.expect("redis").expect("tombstone");
+    eventually(Duration::from_secs(5), "sku-0's tombstone to pass its TTL", || async {
+        now_us() > old.updated_at + 1_100_000
+    })
+    .await;
+    h.send(vec![delete(1, &sku(1))]).await.expect("send");
+    h.wait_settled().await;
+
+    let reply = request_keyframe(&h, "", BRAND, 1).await;
+    assert_eq!(reply.records, 4, "{reply:?}");
+    let keyframes = keyframes_of(&h, BRAND, 1).await;
+    let (records, last) = check_parts(&keyframes[0].1);
+    let mut ids: Vec<String> = records.iter().map(|r| product_id(r).to_string()).collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        ["sku-1", "sku-2", "sku-3", "sku-4"],
+        "the expired tombstone is as good as purged"
+    );
+    let fresh = records.iter().find(|r| product_id(r) == "sku-1").expect("fresh tombstone");
+    assert!(fresh.deleted, "a fresh tombstone is carried as deleted");
+    assert!(old.updated_at < last.tombstone_cutoff && last.tombstone_cutoff <= fresh.updated_at);
+    let d = digest_of(records.iter().map(|r| (product_id(r), r.updated_at)));
+    assert_eq!((last.total, last.digest), (d.count, d.sum));
+    // Still in Redis: left out by the keyframe, not by a purge.
+    assert!(h.get(BRAND, 1, &sku(0)).await.expect("redis").is_some_and(|r| r.deleted));
+    let changes = place_changes(&h, BRAND, 1).await;
+    let mark = changes.last().and_then(|(_, b)| b.keyframe.clone()).expect("marker last");
+    assert_eq!(mark.tombstone_cutoff, last.tombstone_cutoff);
+}
+
+/// Two replicas splitting the partitions: storage started twice with its
+/// replica number, the same servers and namespace.
+async fn start_two_replicas() -> (TestEnv, Harness, InProcessStorage, InProcessStorage) {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    settings.storage.replicas = 2;
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let mut one = settings.clone();
+    one.storage.replica = 1;
+    let r0 = InProcessStorage::start(settings).await.expect("replica 0");
+    let r1 = InProcessStorage::start(one).await.expect("replica 1");
+    (env, h, r0, r1)
+}
+
+/// Places spread over both replicas' partitions.
+fn places_on_both_replicas(h: &Harness) -> Vec<i64> {
+    let mut places = Vec::new();
+    let mut owners = HashSet::new();
+    for place in 1.. {
+        places.push(place);
+        owners.insert(h.partition(BRAND, place).0 % 2);
+        if places.len() >= 3 && owners.len() == 2 {
+            return places;
+        }
+    }
+    unreachable!("places are unbounded")
+}
+
+#[tokio::test]
+async fn every_replica_keyframes_the_places_it_owns() {
+    let (_env, h, _r0, _r1) = start_two_replicas().await;
+    let places = places_on_both_replicas(&h);
+    write_places(&h, &places, 20).await;
+    h.wait_settled().await;
+
+    let req = KeyframeRequest { keyframe_id: "kf-both".into(), brand_id: 0, place_id: 0 };
+    let inbox = h.client.new_inbox();
+    let mut replies = h.client.subscribe(inbox.clone()).await.expect("subscribe");
+    h.client
+        .publish_with_reply(h.subjects.ctl_keyframe(), inbox, req.encode_to_vec().into())
+        .await
+        .expect("publish");
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let msg = tokio::time::timeout(KEYFRAME_TIMEOUT, replies.next())
+            .await
+            .expect("a reply of each replica")
+            .expect("subscription open");
+        got.push(KeyframeReply::decode(msg.payload.as_ref()).expect("KeyframeReply"));
+    }
+    got.sort_by_key(|r| r.replica);
+    assert_eq!(got.iter().map(|r| r.replica).collect::<Vec<_>>(), [0, 1], "{got:?}");
+    assert!(got.iter().all(|r| r.error.is_empty() && r.keyframe_id == "kf-both"), "{got:?}");
+    assert_eq!(got.iter().map(|r| r.places).sum::<u32>() as usize, places.len());
+    assert_eq!(got.iter().map(|r| r.records).sum::<u64>() as usize, places.len() * 20);
+    for place in places {
+        let keyframes = keyframes_of(&h, BRAND, place).await;
+        assert_eq!(keyframes.len(), 1, "place {place}: exactly one replica snapshots it");
+        assert_eq!(check_parts(&keyframes[0].1).0.len(), 20);
+    }
+}
+
+/// `keyframe_id_at` promises one id "for one schedule tick or request"; a
+/// request that leaves the id to storage gets one id per replica.
+#[tokio::test]
+async fn one_request_names_one_keyframe_across_replicas() {
+    let (_env, h, _r0, _r1) = start_two_replicas().await;
+    let places = places_on_both_replicas(&h);
+    write_places(&h, &places, 5).await;
+    h.wait_settled().await;
+    let replies =
+        shelfsync_bus::request_keyframe(&h.client, &h.subjects, None, 2, KEYFRAME_TIMEOUT)
+            .await
+            .expect("request");
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert_eq!(replies[0].keyframe_id, replies[1].keyframe_id, "{replies:?}");
+}
+
+/// A keyframe id given twice (a retried request, a client reusing a name)
+/// must still leave a well-formed keyframe of the current state.
+#[tokio::test]
+async fn a_reused_keyframe_id_does_not_mix_two_snapshots() {
+    let (_env, h, _storage) = start(|_| {}).await;
+    write_places(&h, &[1], 1000).await;
+    h.wait_settled().await;
+    request_keyframe(&h, "kf-again", BRAND, 1).await;
+    // 500 more records: the second snapshot needs a second part.
+    let more: Vec<Command> =
+        (1000..1500).map(|i| patch(BRAND, 1, &sku(i), &product("more", i as i64, 1), 0)).collect();
+    h.send(more).await.expect("send");
+    h.wait_settled().await;
+    let reply = request_keyframe(&h, "kf-again", BRAND, 1).await;
+    assert_eq!(reply.records, 1500);
+
+    let state = sorted(
+        h.store.place_records(h.settings.storage.partitions, BRAND, 1).await.expect("redis"),
+    );
+    let keyframes = keyframes_of(&h, BRAND, 1).await;
+    let (_, parts) = keyframes.last().expect("a keyframe");
+    let (records, last) = check_parts(parts);
+    assert_eq!(sorted(records), state, "the newest keyframe is the current state");
+    let marks: Vec<KeyframeMark> =
+        place_changes(&h, BRAND, 1).await.into_iter().filter_map(|(_, b)| b.keyframe).collect();
+    assert_eq!(marks.last().map(|m| (m.total, m.digest)), Some((last.total, last.digest)));
 }

@@ -213,7 +213,7 @@ impl Worker {
         publisher
             .publish(
                 self.subjects.changes(brand_id, place_id),
-                format!("kfm:{keyframe_id}:{brand_id}:{place_id}"),
+                format!("kfm:{keyframe_id}:{brand_id}:{place_id}:{as_of}"),
                 msg_type::CHANGE_BATCH,
                 None,
                 mark.encode_to_vec().into(),
@@ -249,9 +249,11 @@ impl Worker {
     ) -> anyhow::Result<u64> {
         // The first part's sequence is needed for purging, so wait for its
         // ack; later parts are pipelined.
+        // `as_of` makes the ids unique per run: a reused keyframe id can never
+        // have its parts dropped as duplicates of an earlier run's.
         let id = format!(
-            "kf:{}:{}:{}:{}",
-            batch.keyframe_id, batch.brand_id, batch.place_id, batch.part
+            "kf:{}:{}:{}:{}:{}",
+            batch.keyframe_id, batch.brand_id, batch.place_id, batch.as_of, batch.part
         );
         if batch.part == 0 {
             let msg = async_nats::jetstream::message::PublishMessage::build()

@@ -6,7 +6,8 @@
 //!
 //! - `GET  /v1/records/{brand}/{place}/{product}` → record, or 404
 //! - `POST /v1/records/{brand}/{place}` with `{"product_ids": [...]}` → `{records, missing}`
-//! - `GET  /v1/places/{brand}/{place}/records?cursor=C&limit=N` → `{records, next_cursor}`
+//! - `GET  /v1/places/{brand}/{place}/records?after=ID&limit=N` → `{records, next_after}`
+//!   (product id order; `next_after` is null on the last page)
 //! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
 //! - `GET  /healthz`, `GET /readyz`
 //!
@@ -119,25 +120,25 @@ impl ReadApi {
         Ok((records, missing))
     }
 
-    /// One page of a place's records; `next_cursor` 0 means done. A record
-    /// may rarely appear on two pages if the place is rehashed meanwhile.
+    /// One page of a place's records in product id order, at most `limit`,
+    /// and the id to continue after (`None`: done).
     pub async fn page(
         &self,
         brand: i64,
         place: i64,
-        cursor: u64,
+        after: &str,
         limit: usize,
-    ) -> Result<(Vec<Record>, u64), ReadError> {
+    ) -> Result<(Vec<Record>, Option<String>), ReadError> {
         let max = self.settings.storage.read_max_batch;
         if limit == 0 || limit > max {
             return Err(ReadError::BadRequest(format!("limit must be 1 to {max}, got {limit}")));
         }
-        let partition = shelfsync_bus::partition_of(brand, place, self.partitions()).0;
-        Ok({
-            let (next, records) =
-                self.store.scan_place(partition, brand, place, cursor, limit).await?;
-            (records, next)
-        })
+        if after.len() > 512 {
+            return Err(ReadError::BadRequest(
+                "`after` is not a product id (over 512 bytes)".into(),
+            ));
+        }
+        Ok(self.store.page(self.partitions(), brand, place, after, limit).await?)
     }
 
     async fn answer(&self, what: &str, payload: &[u8]) -> ReadReply {
@@ -164,10 +165,10 @@ impl ReadApi {
                 .map(|(records, missing)| ReadReply { records, missing, ..Default::default() }),
             _ => {
                 let limit = if req.limit == 0 { 100 } else { req.limit as usize };
-                self.page(req.brand_id, req.place_id, req.cursor, limit).await.map(
-                    |(records, next_cursor)| ReadReply {
+                self.page(req.brand_id, req.place_id, &req.after, limit).await.map(
+                    |(records, next)| ReadReply {
                         records,
-                        next_cursor,
+                        next_after: next.unwrap_or_default(),
                         ..Default::default()
                     },
                 )
@@ -225,7 +226,10 @@ impl ReadApi {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
-            .route("/v1/stats", get(|State(api): State<ReadApi>| async move { Json(api.stats.to_json()) }))
+            .route(
+                "/v1/stats",
+                get(|State(api): State<ReadApi>| async move { Json(api.stats.to_json()) }),
+            )
             .route("/v1/records/{brand}/{place}/{product}", get(http_get))
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))
@@ -293,7 +297,7 @@ async fn http_batch(
 #[derive(Deserialize)]
 struct PageQuery {
     #[serde(default)]
-    cursor: Option<String>,
+    after: Option<String>,
     #[serde(default)]
     limit: Option<String>,
 }
@@ -304,18 +308,13 @@ async fn http_page(
     Query(q): Query<PageQuery>,
 ) -> Result<Response, ReadError> {
     let (b, p) = parse_key(&brand, &place)?;
-    let num = |what: &str, v: Option<String>, default: u64| -> Result<u64, ReadError> {
-        match v {
-            None => Ok(default),
-            Some(s) => s.parse().map_err(|_| {
-                ReadError::BadRequest(format!("{what} must be a non-negative integer"))
-            }),
-        }
+    let limit = match q.limit {
+        None => 100,
+        Some(s) => s
+            .parse::<usize>()
+            .map_err(|_| ReadError::BadRequest("limit must be a non-negative integer".into()))?,
     };
-    let cursor = num("cursor", q.cursor, 0)?;
-    let limit = num("limit", q.limit, 100)? as usize;
-    let (records, next) = api.page(b, p, cursor, limit).await?;
+    let (records, next) = api.page(b, p, q.after.as_deref().unwrap_or(""), limit).await?;
     let records: Vec<_> = records.iter().map(record_to_json).collect();
-    // The cursor is a string: 64-bit values lose precision in JavaScript.
-    Ok(Json(json!({ "records": records, "next_cursor": next.to_string() })).into_response())
+    Ok(Json(json!({ "records": records, "next_after": next })).into_response())
 }

@@ -12,6 +12,7 @@
 //! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
+//! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
 //! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
 //!
 //! Generations live apart from records so that an identical re-import
@@ -144,6 +145,9 @@ impl Keys {
     }
     pub fn places(&self) -> String {
         format!("{}:places", self.tag)
+    }
+    pub fn ids(&self, brand: i64, place: i64) -> String {
+        format!("{}:ids:{brand}:{place}", self.tag)
     }
     pub fn keyframes(&self, brand: i64, place: i64) -> String {
         format!("{}:kf:{brand}:{place}", self.tag)
@@ -380,6 +384,7 @@ impl Store {
         let mut ops = CommitOps::new(keys.seq(), expected_seq, new_seq);
         ops.key(&keys.outbox());
         let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+        let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
         let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
         let mut tomb_add = Vec::new();
         let mut tomb_rem = Vec::new();
@@ -391,6 +396,9 @@ impl Store {
                 let v = records.entry((*b, *p)).or_default();
                 v.push(id.as_bytes().to_vec());
                 v.push(stored.encode_to_vec());
+                let v = ids.entry((*b, *p)).or_default();
+                v.push(b"0".to_vec());
+                v.push(id.as_bytes().to_vec());
             }
             if slot.gen_dirty {
                 let v = gens.entry((*b, *p)).or_default();
@@ -414,6 +422,9 @@ impl Store {
         }
         for ((b, p), args) in gens {
             ops.op("HSET", &keys.gens(b, p), args, 2);
+        }
+        for ((b, p), args) in ids {
+            ops.op("ZADD", &keys.ids(b, p), args, 2);
         }
         ops.op("SADD", &keys.places(), new_places, 1);
         ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
@@ -513,6 +524,7 @@ impl Store {
             };
             pipe.hdel(keys.records(b, p), id).ignore();
             pipe.hdel(keys.gens(b, p), id).ignore();
+            pipe.zrem(keys.ids(b, p), id).ignore();
         }
         pipe.zrem(keys.tombstones(), &members).ignore();
         let _: () = pipe.query_async(&mut conn).await?;
@@ -706,5 +718,36 @@ impl Store {
             }));
         }
         Ok(out)
+    }
+
+    /// Up to `limit` records of a place after product id `after` (empty: from
+    /// the start), in product id order, and the id to continue after (`None`
+    /// when the place is done).
+    pub async fn page(
+        &self,
+        partitions: u32,
+        brand_id: i64,
+        place_id: i64,
+        after: &str,
+        limit: usize,
+    ) -> Result<(Vec<Record>, Option<String>), StoreError> {
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let start = if after.is_empty() { "-".to_string() } else { format!("({after}") };
+        let mut conn = self.conn.clone();
+        let mut ids: Vec<String> = redis::cmd("ZRANGE")
+            .arg(keys.ids(brand_id, place_id))
+            .arg(&start)
+            .arg("+")
+            .arg("BYLEX")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit + 1)
+            .query_async(&mut conn)
+            .await?;
+        let more = ids.len() > limit;
+        ids.truncate(limit);
+        let found = self.get_many(partitions, brand_id, place_id, &ids).await?;
+        let next = if more { ids.last().cloned() } else { None };
+        Ok((found.into_iter().flatten().collect(), next))
     }
 }

@@ -180,7 +180,12 @@ pub async fn request_keyframe(
     let inbox = client.new_inbox();
     let mut sub = client.subscribe(inbox.clone()).await?;
     let (brand_id, place_id) = place.unwrap_or((0, 0));
-    let req = shelfsync_proto::KeyframeRequest { keyframe_id: String::new(), brand_id, place_id };
+    // Named here, so that every replica answering uses the same id.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64);
+    let req =
+        shelfsync_proto::KeyframeRequest { keyframe_id: format!("kf-{now}"), brand_id, place_id };
     client.publish_with_reply(subjects.ctl_keyframe(), inbox, req.encode_to_vec().into()).await?;
     client.flush().await?;
     let want = if place.is_some() { 1 } else { replicas.max(1) as usize };
