@@ -53,10 +53,12 @@ impl App {
         let settings = Arc::new(settings);
         let importer = Arc::new(Importer::connect_with(settings.clone(), true).await?);
         let listen = &settings.ingest.listen;
-        let listener =
-            tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
         let addr = listener.local_addr()?;
-        let locks = settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
+        let locks =
+            settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
         Ok(App { state: AppState { importer, settings, locks: Arc::new(locks) }, listener, addr })
     }
 
@@ -127,7 +129,9 @@ async fn push(State(app): State<AppState>, Path(name): Path<String>, body: Body)
         let chunk = chunk.map_err(io::Error::other)?;
         seen += chunk.len() as u64;
         if seen > max {
-            return Err(io::Error::other(format!("the body is over ingest.max_push_bytes = {max}")));
+            return Err(io::Error::other(format!(
+                "the body is over ingest.max_push_bytes = {max}"
+            )));
         }
         Ok(chunk)
     });
@@ -145,7 +149,9 @@ async fn push(State(app): State<AppState>, Path(name): Path<String>, body: Body)
 
 /// Imports `partner.source` every `poll_interval`, the first time at once.
 async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::Receiver<bool>) {
-    let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else { return };
+    let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else {
+        return;
+    };
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A file is imported again only when its modification time or size changed.
@@ -155,14 +161,18 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::
             _ = ticks.tick() => {}
             _ = stopped.wait_for(|s| *s) => return,
         }
-        let Some(lock) = app.locks.get(&partner.name) else { return };
+        let Some(lock) = app.locks.get(&partner.name) else {
+            return;
+        };
         let Ok(_running) = lock.try_lock() else {
             info!(partner = %partner.name, "previous import still running, poll skipped");
             continue;
         };
         let source = Source::parse(&source);
         let file_sig = match &source {
-            Source::File(path) => tokio::fs::metadata(path).await.ok().map(|m| (m.modified().ok(), m.len())),
+            Source::File(path) => {
+                tokio::fs::metadata(path).await.ok().map(|m| (m.modified().ok(), m.len()))
+            }
             _ => None,
         };
         if file_sig.is_some() && file_sig == last_file {

@@ -86,9 +86,8 @@ pub fn parse_feed<R: Read>(
     let meter = Rc::new(Meter::default());
     let mut reader = Metered { inner: reader, meter: meter.clone() };
     let (mut head, eof) = read_head(&mut reader).map_err(FeedError::Io)?;
-    if head.starts_with(b"\xEF\xBB\xBF") {
-        head.drain(..3);
-    }
+    let bom = if head.starts_with(b"\xEF\xBB\xBF") { 3 } else { 0 };
+    head.drain(..bom);
     let start = head.iter().position(|b| !b.is_ascii_whitespace());
     let layout = match (start, format) {
         (None, _) if eof => return Err(FeedError::Empty),
@@ -96,7 +95,7 @@ pub fn parse_feed<R: Read>(
         (Some(i), _) if head[i] != b'{' => {
             let found = head[i..].split(|&b| b == b'\n').next().unwrap_or_default();
             let found = String::from_utf8_lossy(&found[..found.len().min(32)]).into_owned();
-            return Err(FeedError::NotJson { found, offset: i as u64 });
+            return Err(FeedError::NotJson { found, offset: (bom + i) as u64 });
         }
         (_, FeedFormat::Json) => Layout::Nested,
         (_, FeedFormat::Ndjson) => Layout::Ndjson,
@@ -209,7 +208,9 @@ impl Parser<'_> {
 
     fn nested_item<E: de::Error>(&mut self, place_id: i64, raw: &str) -> Result<(), E> {
         let event = match parse_item(raw, Some(place_id), &self.rules) {
-            Ok(item) if !self.ids.insert(id_key(&item.id)) => FeedEvent::Reject(duplicate(item, raw.as_bytes())),
+            Ok(item) if !self.ids.insert(id_key(&item.id)) => {
+                FeedEvent::Reject(duplicate(item, raw.as_bytes()))
+            }
             Ok(item) => FeedEvent::Item(item),
             Err(reject) => FeedEvent::Reject(reject),
         };
@@ -218,7 +219,7 @@ impl Parser<'_> {
 
     fn nested(&mut self, reader: impl Read) -> Result<(), FeedError> {
         let mut de = serde_json::Deserializer::from_reader(reader);
-        let result = Top(self).deserialize(&mut de).and_then(|()| de.end());
+        let result = Walk(self, Level::Top).deserialize(&mut de).and_then(|()| de.end());
         match (result, self.fatal.take()) {
             (Ok(()), _) => Ok(()),
             (Err(_), Some(fatal)) => Err(fatal),
@@ -235,7 +236,9 @@ impl Parser<'_> {
         let mut ids: HashMap<i64, HashSet<u128>> = HashMap::new();
         let mut buf = Vec::new();
         let mut line_no = 0u64;
-        while let Some(len) = read_line_bounded(&mut reader, &mut buf, max + 1).map_err(FeedError::Io)? {
+        while let Some(len) =
+            read_line_bounded(&mut reader, &mut buf, max + 1).map_err(FeedError::Io)?
+        {
             line_no += 1;
             let line = buf.trim_ascii();
             if line.is_empty() {
@@ -300,13 +303,24 @@ fn id_key(id: &str) -> u128 {
 }
 
 fn duplicate(item: Item, raw: &[u8]) -> Reject {
-    let detail = format!("`id` {:?} appears again in place {}; the first one is kept", item.id, item.place_id);
-    Reject { place_id: Some(item.place_id), id: Some(item.id), ..Reject::new(Reason::DuplicateId, detail, raw) }
+    let detail = format!(
+        "`id` {:?} appears again in place {}; the first one is kept",
+        item.id, item.place_id
+    );
+    Reject {
+        place_id: Some(item.place_id),
+        id: Some(item.id),
+        ..Reject::new(Reason::DuplicateId, detail, raw)
+    }
 }
 
 /// Reads one line (newline excluded) into `buf`, keeping at most `keep`
 /// bytes of it. Returns the full length of the line, or `None` at the end.
-fn read_line_bounded(r: &mut impl BufRead, buf: &mut Vec<u8>, keep: usize) -> io::Result<Option<usize>> {
+fn read_line_bounded(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    keep: usize,
+) -> io::Result<Option<usize>> {
     buf.clear();
     let mut len = 0;
     let mut started = false;
@@ -333,138 +347,113 @@ fn read_line_bounded(r: &mut impl BufRead, buf: &mut Vec<u8>, keep: usize) -> io
     }
 }
 
-// The nested format, walked by serde visitors that share the `Parser`.
+// The nested format, walked by one serde visitor that knows its level.
 
-struct Top<'p, 's>(&'p mut Parser<'s>);
-struct Places<'p, 's>(&'p mut Parser<'s>);
-struct Place<'p, 's>(&'p mut Parser<'s>);
-struct Items<'p, 's, 'b> {
-    parser: &'p mut Parser<'s>,
-    place_id: Option<i64>,
-    pending: &'b mut Vec<Box<RawValue>>,
+enum Level<'b> {
+    Top,
+    Places,
+    Place,
+    /// Items of a place; buffered in `pending` while its `place_id` is unknown.
+    Items {
+        place_id: Option<i64>,
+        pending: &'b mut Vec<Box<RawValue>>,
+    },
 }
 
-impl<'de> DeserializeSeed<'de> for Top<'_, '_> {
+struct Walk<'p, 's, 'b>(&'p mut Parser<'s>, Level<'b>);
+
+impl<'de> DeserializeSeed<'de> for Walk<'_, '_, '_> {
     type Value = ();
     fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_map(self)
+        match self.1 {
+            Level::Top | Level::Place => d.deserialize_map(self),
+            Level::Places | Level::Items { .. } => d.deserialize_seq(self),
+        }
     }
 }
 
-impl<'de> Visitor<'de> for Top<'_, '_> {
+impl<'de> Visitor<'de> for Walk<'_, '_, '_> {
     type Value = ();
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(r#"a feed object {"brand_id": .., "places": [..]}"#)
+        f.write_str(match self.1 {
+            Level::Top => r#"a feed object {"brand_id": .., "places": [..]}"#,
+            Level::Places => "an array of places",
+            Level::Place => r#"a place object {"place_id": .., "items": [..]}"#,
+            Level::Items { .. } => "an array of items",
+        })
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<String>()? {
-            match key.as_str() {
-                "brand_id" => {
-                    let found: i64 = map.next_value()?;
-                    let expected = self.0.rules.brand_id;
-                    if found != expected {
-                        return Err(self.0.fail(FeedError::BrandMismatch { expected, found }));
-                    }
-                }
-                "places" => map.next_value_seed(Places(self.0))?,
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
+        match self.1 {
+            Level::Top => self.0.top(map),
+            _ => self.0.place(map),
+        }
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let parser = self.0;
+        let Level::Items { place_id, pending } = self.1 else {
+            while seq.next_element_seed(Walk(&mut *parser, Level::Place))?.is_some() {}
+            return Ok(());
+        };
+        while let Some(raw) = parser.capture(|| seq.next_element::<Box<RawValue>>())? {
+            match place_id {
+                Some(place_id) => parser.nested_item(place_id, raw.get())?,
+                None => pending.push(raw),
             }
         }
         Ok(())
     }
 }
 
-impl<'de> DeserializeSeed<'de> for Places<'_, '_> {
-    type Value = ();
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Places<'_, '_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an array of places")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(Place(self.0))?.is_some() {}
+impl Parser<'_> {
+    fn top<'de, A: MapAccess<'de>>(&mut self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "brand_id" => {
+                    let found: i64 = map.next_value()?;
+                    let expected = self.rules.brand_id;
+                    if found != expected {
+                        return Err(self.fail(FeedError::BrandMismatch { expected, found }));
+                    }
+                }
+                "places" => map.next_value_seed(Walk(self, Level::Places))?,
+                _ => _ = map.next_value::<IgnoredAny>()?,
+            }
+        }
         Ok(())
     }
-}
 
-impl<'de> DeserializeSeed<'de> for Place<'_, '_> {
-    type Value = ();
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Place<'_, '_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(r#"a place object {"place_id": .., "items": [..]}"#)
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let parser = self.0;
-        parser.ids.clear();
-        let mut place_id = None;
-        let mut bad_place = None;
-        // Items seen before the place_id (keys may come in any order).
+    fn place<'de, A: MapAccess<'de>>(&mut self, mut map: A) -> Result<(), A::Error> {
+        self.ids.clear();
+        let (mut place_id, mut bad_place) = (None, None);
         let mut pending: Vec<Box<RawValue>> = Vec::new();
         while let Some(key) = map.next_key::<String>()? {
             match key.as_str() {
                 "place_id" => {
-                    let raw: Box<RawValue> = parser.capture(|| map.next_value())?;
+                    let raw: Box<RawValue> = self.capture(|| map.next_value())?;
                     match item::int("place_id", &raw) {
                         Ok(id) => {
                             place_id = Some(id);
-                            parser.emit(FeedEvent::Place(id))?;
+                            self.emit(FeedEvent::Place(id))?;
                             for raw in std::mem::take(&mut pending) {
-                                parser.nested_item(id, raw.get())?;
+                                self.nested_item(id, raw.get())?;
                             }
                         }
                         Err((_, detail)) => bad_place = Some(detail),
                     }
                 }
-                "items" => map.next_value_seed(Items { parser: &mut *parser, place_id, pending: &mut pending })?,
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
+                "items" => {
+                    let items = Level::Items { place_id, pending: &mut pending };
+                    map.next_value_seed(Walk(self, items))?;
                 }
+                _ => _ = map.next_value::<IgnoredAny>()?,
             }
         }
         let detail = bad_place.unwrap_or_else(|| "the place has no `place_id`".into());
         for raw in pending {
             let reject = Reject::new(Reason::MissingPlace, &*detail, raw.get().as_bytes());
-            parser.emit(FeedEvent::Reject(reject))?;
-        }
-        Ok(())
-    }
-}
-
-impl<'de> DeserializeSeed<'de> for Items<'_, '_, '_> {
-    type Value = ();
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Items<'_, '_, '_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an array of items")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while let Some(raw) = self.parser.capture(|| seq.next_element::<Box<RawValue>>())? {
-            match self.place_id {
-                Some(place_id) => self.parser.nested_item(place_id, raw.get())?,
-                None => self.pending.push(raw),
-            }
+            self.emit(FeedEvent::Reject(reject))?;
         }
         Ok(())
     }
@@ -475,79 +464,69 @@ mod tests {
     use super::*;
     use crate::item::OwnedFields;
 
-    fn rules() -> ItemRules {
-        ItemRules { brand_id: 7, owned: OwnedFields::all(), max_item_bytes: 1024 }
-    }
+    const RULES: ItemRules =
+        ItemRules { brand_id: 7, owned: OwnedFields::ALL, max_item_bytes: 1024 };
 
-    fn run_with(input: &[u8], format: FeedFormat, rules: &ItemRules) -> (Vec<FeedEvent>, Result<Layout, FeedError>) {
+    /// Runs a feed; events as one string: `P42` place, `I42/a` item,
+    /// `R42/a:reason` rejection (`-` where unknown).
+    fn run_as(input: &str, format: FeedFormat) -> (String, Result<Layout, FeedError>) {
         let mut events = Vec::new();
-        let result = parse_feed(input, format, rules, &mut |e| {
-            events.push(e);
-            Ok(())
-        });
-        (events, result)
-    }
-
-    fn run(input: &str) -> (Vec<FeedEvent>, Result<Layout, FeedError>) {
-        run_with(input.as_bytes(), FeedFormat::Auto, &rules())
-    }
-
-    /// Events as short strings: `P42`, `I42/a`, `R42/a:reason`.
-    fn short(events: &[FeedEvent]) -> Vec<String> {
-        events
-            .iter()
-            .map(|e| match e {
+        let result = parse_feed(input.as_bytes(), format, &RULES, &mut |e| {
+            events.push(match e {
                 FeedEvent::Place(p) => format!("P{p}"),
                 FeedEvent::Item(i) => format!("I{}/{}", i.place_id, i.id),
-                FeedEvent::Reject(r) => format!(
-                    "R{}/{}:{}",
-                    r.place_id.map_or("-".into(), |p| p.to_string()),
-                    r.id.as_deref().unwrap_or("-"),
-                    r.reason.as_str()
-                ),
-            })
-            .collect()
+                FeedEvent::Reject(r) => {
+                    let place = r.place_id.map_or("-".into(), |p| p.to_string());
+                    format!("R{place}/{}:{}", r.id.as_deref().unwrap_or("-"), r.reason.as_str())
+                }
+            });
+            Ok(())
+        });
+        (events.join(" "), result)
+    }
+
+    fn run(input: &str) -> (String, Result<Layout, FeedError>) {
+        run_as(input, FeedFormat::Auto)
+    }
+
+    fn malformed(result: Result<Layout, FeedError>, needle: &str) {
+        assert!(
+            matches!(&result, Err(FeedError::Malformed(m)) if m.contains(needle)),
+            "{result:?}"
+        );
     }
 
     #[test]
-    fn nested_feed_streams_places_and_items() {
-        let feed = r#"{"brand_id": 7, "generated": "today",
-            "places": [
-              {"place_id": 42, "name": "x", "items": [{"id": "a", "price": 0}, {"id": "b", "title": "B"}]},
+    fn nested_and_ndjson_feeds_stream_places_and_items() {
+        let nested = r#"{"brand_id": 7, "generated": "today", "places": [
+              {"place_id": 42, "name": "x", "items": [{"id": "a", "price": 0}, {"id": "b"}]},
               {"place_id": 43, "items": []},
-              {"place_id": 44}
-            ]}"#;
-        let (events, result) = run(feed);
+              {"place_id": 44}]}"#;
+        let (events, result) = run(nested);
         assert_eq!(result.expect("parses"), Layout::Nested);
-        assert_eq!(short(&events), ["P42", "I42/a", "I42/b", "P43", "P44"]);
-        let FeedEvent::Item(a) = &events[1] else { panic!("not an item") };
-        assert_eq!(a.product.price, Some(0));
-    }
-
-    #[test]
-    fn ndjson_feed_streams_items_with_their_places() {
-        let feed = "{\"id\":\"a\",\"brand_id\":7,\"place_id\":1,\"stock\":0}\r\n\n\
-                    {\"id\":\"b\",\"brand_id\":7,\"place_id\":2}\n{\"id\":\"c\",\"brand_id\":7,\"place_id\":1}";
-        let (events, result) = run(feed);
+        assert_eq!(events, "P42 I42/a I42/b P43 P44", "places without items are seen");
+        let ndjson = "{\"id\":\"a\",\"brand_id\":7,\"place_id\":1}\r\n\n\
+                      {\"id\":\"b\",\"place_id\":2}\n{\"id\":\"c\",\"place_id\":1}";
+        let (events, result) = run(ndjson);
         assert_eq!(result.expect("parses"), Layout::Ndjson);
-        assert_eq!(short(&events), ["P1", "I1/a", "P2", "I2/b", "I1/c"]);
+        assert_eq!(events, "P1 I1/a P2 I2/b I1/c");
     }
 
     #[test]
     fn auto_detection_and_explicit_formats() {
-        let one_line_nested = r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"}]}]}"#;
-        assert_eq!(run(one_line_nested).1.expect("nested"), Layout::Nested);
+        let one_line = r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"}]}]}"#;
+        assert_eq!(run(one_line).1.expect("nested"), Layout::Nested);
         let pretty = "{\n  \"brand_id\": 7,\n  \"places\": []\n}\n";
         assert_eq!(run(pretty).1.expect("nested"), Layout::Nested);
-        let ndjson = "\u{feff}  {\"id\":\"a\",\"place_id\":1}\n";
+        let ndjson = "\u{feff}  {\"id\":\"a\",\"place_id\":1}\n{\"id\":\"b\",\"place_id\":1}";
         assert_eq!(run(ndjson).1.expect("ndjson"), Layout::Ndjson);
-        // Forced formats win over detection: NDJSON read as one document has
-        // trailing characters.
-        let (_, forced) = run_with(b"{\"id\":\"a\",\"place_id\":1}\n{\"id\":\"b\",\"place_id\":1}\n", FeedFormat::Json, &rules());
-        assert!(matches!(forced, Err(FeedError::Malformed(ref m)) if m.contains("trailing")), "{forced:?}");
-        let (events, forced) = run_with(one_line_nested.as_bytes(), FeedFormat::Ndjson, &rules());
-        assert_eq!(forced.expect("ndjson"), Layout::Ndjson);
-        assert_eq!(short(&events), ["R-/-:missing_place"]);
+        // A forced format wins over detection.
+        malformed(run_as(ndjson, FeedFormat::Json).1, "trailing characters");
+        let (events, forced) = run_as(one_line, FeedFormat::Ndjson);
+        assert_eq!(
+            (events.as_str(), forced.expect("ndjson")),
+            ("R-/-:missing_place", Layout::Ndjson)
+        );
     }
 
     #[test]
@@ -557,57 +536,49 @@ mod tests {
             {"items": [{"id": "c"}]}
         ], "brand_id": 7}"#;
         let (events, result) = run(feed);
-        assert_eq!(result.expect("parses"), Layout::Nested);
-        assert_eq!(short(&events), ["P5", "I5/a", "R5/b:wrong_type", "R-/-:missing_place"]);
+        result.expect("parses");
+        assert_eq!(events, "P5 I5/a R5/b:wrong_type R-/-:missing_place");
     }
 
     #[test]
-    fn nested_item_rejections_leave_the_rest() {
+    fn a_bad_item_is_rejected_alone() {
         let deep = format!("{}1{}", "[".repeat(500), "]".repeat(500));
         let feed = format!(
             r#"{{"brand_id":7,"places":[{{"place_id":1,"items":[
               {{"title":"no id"}}, 17, {{"id":"a","extra":{deep}}}, {{"id":"b","title":{deep}}},
               {{"id":"a","price":5}}, {{"id":"big","description":"{}"}}, {{"id":"c","price":1.5}},
-              {{"id":"d","price":123456789012345678901}}, {{"id":"e","stock":null}}
-            ]}}]}}"#,
+              {{"id":"d","price":123456789012345678901}}, {{"id":"e","stock":null}}]}}]}}"#,
             "x".repeat(2000)
         );
         let (events, result) = run(&feed);
         result.expect("one bad item does not fail the feed");
-        assert_eq!(
-            short(&events),
-            [
-                "P1", "R1/-:missing_id", "R1/-:not_an_object", "I1/a", "R1/b:wrong_type",
-                "R1/a:duplicate_id", "R1/-:too_large", "R1/c:wrong_type", "R1/d:out_of_range", "I1/e"
-            ]
-        );
-    }
+        let expected = "P1 R1/-:missing_id R1/-:not_an_object I1/a R1/b:wrong_type R1/a:duplicate_id \
+                        R1/-:too_large R1/c:wrong_type R1/d:out_of_range I1/e";
+        assert_eq!(events, expected);
 
-    #[test]
-    fn ndjson_line_rejections_leave_the_rest() {
-        let feed = format!(
-            "{}\n{}\n{}\n{}\n{}\n{}\n{}\n",
+        let lines = [
             r#"{"id":"a","brand_id":7,"place_id":1}"#,
             r#"{"id":"b","brand_id":8,"place_id":1}"#,
             r#"{"id":"c","brand_id":7}"#,
             r#"{"id":"a","brand_id":7,"place_id":1}"#,
             r#"{"id":"d","place_id":1,"price": garbage}"#,
-            format_args!(r#"{{"id":"e","place_id":1,"title":"{}"}}"#, "t".repeat(5000)),
+            &format!(r#"{{"id":"e","place_id":1,"title":"{}"}}"#, "t".repeat(5000)),
             r#"{"id":"f","place_id":2,"price":"1"}"#,
-        );
-        let (events, result) = run(&feed);
+        ];
+        let (events, result) = run(&lines.join("\n"));
         assert_eq!(result.expect("lines are independent"), Layout::Ndjson);
-        assert_eq!(
-            short(&events),
-            [
-                "P1", "I1/a", "R-/b:brand_mismatch", "R-/c:missing_place", "R1/a:duplicate_id",
-                "R-/-:malformed", "R-/-:too_large", "P2", "R2/f:wrong_type"
-            ]
-        );
-        let FeedEvent::Reject(r) = &events[5] else { panic!("not a reject") };
-        assert!(r.detail.starts_with("line 5: not JSON"), "{}", r.detail);
-        let FeedEvent::Reject(r) = &events[6] else { panic!("not a reject") };
-        assert_eq!(r.raw.len(), item::MAX_RAW_BYTES);
+        let expected = "P1 I1/a R-/b:brand_mismatch R-/c:missing_place R1/a:duplicate_id R-/-:malformed \
+                        R-/-:too_large P2 R2/f:wrong_type";
+        assert_eq!(events, expected);
+        let mut details = Vec::new();
+        parse_feed(lines.join("\n").as_bytes(), FeedFormat::Auto, &RULES, &mut |e| {
+            if let FeedEvent::Reject(r) = e {
+                details.push(r.detail);
+            }
+            Ok(())
+        })
+        .expect("parses");
+        assert!(details[3].starts_with("line 5: not JSON"), "{}", details[3]);
     }
 
     #[test]
@@ -615,49 +586,48 @@ mod tests {
         let (events, result) = run("\n  <html><body>Bad gateway</body></html>");
         assert!(events.is_empty());
         let err = result.expect_err("not JSON");
-        assert!(matches!(err, FeedError::NotJson { offset: 3, .. }), "{err:?}");
         let msg = err.to_string();
-        assert!(msg.contains("not JSON") && msg.contains("byte 3") && msg.contains("<html>"), "{msg}");
+        assert!(matches!(err, FeedError::NotJson { offset: 3, .. }), "{err:?}");
+        assert!(
+            msg.contains("not JSON") && msg.contains("byte 3") && msg.contains("<html>"),
+            "{msg}"
+        );
         assert!(matches!(run(" \n ").1, Err(FeedError::Empty)));
         assert!(matches!(run("[1, 2]").1, Err(FeedError::NotJson { .. })));
     }
 
     #[test]
-    fn a_truncated_document_is_an_error_not_a_short_feed() {
-        let (events, result) = run(r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"},{"id":"b"#);
-        assert_eq!(short(&events), ["P1", "I1/a"]);
-        let err = result.expect_err("truncated");
-        assert!(matches!(err, FeedError::Malformed(ref m) if m.contains("EOF")), "{err}");
+    fn a_broken_document_fails_after_what_came_before() {
+        let (events, result) =
+            run(r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"},{"id":"b"#);
+        assert_eq!(events, "P1 I1/a", "a truncated feed is not a short feed");
+        malformed(result, "EOF while parsing");
         // Garbage inside an item of the nested format cannot be skipped over.
-        let (_, result) = run(r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a","price":12x}]}]}"#);
-        assert!(matches!(result, Err(FeedError::Malformed(ref m)) if m.contains("line 1 column")), "{result:?}");
-    }
-
-    #[test]
-    fn brand_mismatch_fails_the_nested_feed() {
-        let (_, result) = run(r#"{"brand_id":8,"places":[]}"#);
-        assert!(matches!(result, Err(FeedError::BrandMismatch { expected: 7, found: 8 })), "{result:?}");
-        let (_, result) = run(r#"{"brand_id":"7","places":[]}"#);
-        assert!(matches!(result, Err(FeedError::Malformed(_))), "{result:?}");
-    }
-
-    #[test]
-    fn an_item_over_the_hard_cap_fails_before_it_is_in_memory() {
-        let r = ItemRules { max_item_bytes: 1024, ..rules() };
+        malformed(
+            run(r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":1x}]}]}"#).1,
+            "line 1 column",
+        );
+        malformed(run(r#"{"brand_id":"7","places":[]}"#).1, "invalid type");
+        let result = run(r#"{"places":[],"brand_id":8}"#).1;
+        assert!(
+            matches!(result, Err(FeedError::BrandMismatch { expected: 7, found: 8 })),
+            "{result:?}"
+        );
+        // An item too big to hold fails the parse before it is in memory.
         let huge = format!(
-            r#"{{"brand_id":7,"places":[{{"place_id":1,"items":[{{"id":"a"}},{{"id":"b","description":"{}"}}]}}]}}"#,
+            r#"{{"brand_id":7,"places":[{{"place_id":1,"items":[{{"id":"a"}},{{"id":"b","x":"{}"}}]}}]}}"#,
             "x".repeat(3 << 20)
         );
-        let (events, result) = run_with(huge.as_bytes(), FeedFormat::Auto, &r);
-        assert_eq!(short(&events), ["P1", "I1/a"]);
-        assert!(matches!(result, Err(FeedError::Malformed(ref m)) if m.contains("hard cap")), "{result:?}");
+        let (events, result) = run(&huge);
+        assert_eq!(events, "P1 I1/a");
+        malformed(result, "hard cap");
     }
 
     #[test]
     fn the_sink_can_stop_the_parse() {
         let feed = r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"},{"id":"b"}]}]}"#;
         let mut n = 0;
-        let result = parse_feed(feed.as_bytes(), FeedFormat::Auto, &rules(), &mut |_| {
+        let result = parse_feed(feed.as_bytes(), FeedFormat::Auto, &RULES, &mut |_| {
             n += 1;
             if n == 2 { Err(Stopped) } else { Ok(()) }
         });
@@ -669,11 +639,12 @@ mod tests {
     fn bounded_lines_keep_a_prefix_and_measure_the_whole() {
         let mut r = io::BufReader::with_capacity(4, &b"abcdefgh\nij\n\nk"[..]);
         let mut buf = Vec::new();
-        assert_eq!(read_line_bounded(&mut r, &mut buf, 3).expect("read"), Some(8));
+        let mut next = || read_line_bounded(&mut r, &mut buf, 3).expect("reads");
+        assert_eq!(
+            [next(), next(), next(), next(), next()],
+            [Some(8), Some(2), Some(0), Some(1), None]
+        );
+        read_line_bounded(&mut io::BufReader::new(&b"abcdefgh"[..]), &mut buf, 3).expect("reads");
         assert_eq!(buf, b"abc");
-        assert_eq!(read_line_bounded(&mut r, &mut buf, 3).expect("read"), Some(2));
-        assert_eq!(read_line_bounded(&mut r, &mut buf, 3).expect("read"), Some(0));
-        assert_eq!(read_line_bounded(&mut r, &mut buf, 3).expect("read"), Some(1));
-        assert_eq!(read_line_bounded(&mut r, &mut buf, 3).expect("read"), None);
     }
 }

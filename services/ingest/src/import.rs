@@ -15,14 +15,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use bytes::Bytes;
 use prost::Message;
-use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of};
-use shelfsync_proto::{Command, CommandBatch, Origin, RecordKey, Rejection, RejectionBatch, Sweep, msg_type};
+use shelfsync_bus::{
+    CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of,
+};
+use shelfsync_proto::{Command, CommandBatch, Rejection, RejectionBatch, Sweep, msg_type};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use tokio::sync::mpsc;
 use tracing::{Instrument, info, warn};
 
 use crate::feed::{FeedEvent, Stopped, parse_feed};
-use crate::item::{CommandContext, ItemRules, OwnedFields, Reject, to_command};
+use crate::item::{CommandContext, ItemRules, OwnedFields, to_command, to_rejection};
 use crate::report::{ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
 use crate::state::State;
@@ -31,10 +33,12 @@ use crate::state::State;
 /// channel holds: at most 4096 parsed events wait for the publisher.
 const CHUNK: usize = 256;
 const CHANNEL_CHUNKS: usize = 16;
-/// Rejections per message, and rejections held before all are flushed.
+/// Rejections per message.
 const REJECTS_PER_BATCH: usize = 100;
-const REJECTS_HELD: usize = 1000;
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Called now and then with running counts.
+pub type ProgressFn<'a> = Option<&'a (dyn Fn(&Progress) + Send + Sync)>;
 
 /// Runs imports. Cheap to share (`Arc`); imports of different partners may
 /// run at once.
@@ -55,7 +59,10 @@ impl Importer {
     }
 
     /// `retry`: keep trying to reach NATS in the background (services).
-    pub(crate) async fn connect_with(settings: Arc<Settings>, retry: bool) -> anyhow::Result<Importer> {
+    pub(crate) async fn connect_with(
+        settings: Arc<Settings>,
+        retry: bool,
+    ) -> anyhow::Result<Importer> {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-ingest", retry).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         let state = State::connect(&settings.redis)
@@ -91,7 +98,7 @@ impl Importer {
         &self,
         partner: &PartnerSettings,
         source: Source,
-        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+        progress: ProgressFn<'_>,
     ) -> Result<ImportReport, ImportError> {
         let (report, result) = self.run(partner, source, progress).await;
         result.map(|()| report)
@@ -102,31 +109,22 @@ impl Importer {
         &self,
         partner: &PartnerSettings,
         source: Source,
-        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+        progress: ProgressFn<'_>,
     ) -> (ImportReport, Result<(), ImportError>) {
         let started = now_micros();
         let import_id = format!("{}-{started}", partner.name);
-        let span = tracing::info_span!("ingest.import", partner = %partner.name, import_id = %import_id);
+        let span =
+            tracing::info_span!("ingest.import", partner = %partner.name, import_id = %import_id);
         async {
             let clock = Instant::now();
+            let full = partner.kind == ImportKind::Full;
             let mut report = ImportReport {
                 import_id: import_id.clone(),
                 partner: partner.name.clone(),
-                kind: if partner.kind == ImportKind::Full { "full" } else { "delta" }.into(),
+                kind: if full { "full" } else { "delta" }.into(),
                 source: source.describe(),
-                status: ImportStatus::Completed,
-                error: None,
-                items: 0,
-                commands: 0,
-                rejected: Default::default(),
-                rejected_total: 0,
-                places: 0,
-                sweeps: 0,
-                batches: 0,
-                bytes_in: 0,
-                bytes_out: 0,
-                duration_ms: 0,
-                generation: if partner.kind == ImportKind::Full { started } else { 0 },
+                generation: if full { started } else { 0 },
+                ..ImportReport::default()
             };
             let result = self.run_source(partner, source, &mut report, progress).await;
             report.duration_ms = clock.elapsed().as_millis() as u64;
@@ -143,13 +141,12 @@ impl Importer {
 
     /// Logs the one line of this import and keeps its report.
     async fn record(&self, r: &ImportReport) {
-        let rejected = r.rejected_total;
+        let (items, rejected, sweeps, bytes_in) = (r.items, r.rejected_total, r.sweeps, r.bytes_in);
         match &r.error {
-            None => info!(status = ?r.status, items = r.items, rejected, places = r.places, sweeps = r.sweeps,
-                batches = r.batches, bytes_in = r.bytes_in, bytes_out = r.bytes_out, duration_ms = r.duration_ms,
-                "import finished"),
-            Some(error) => warn!(error, items = r.items, rejected, places = r.places, batches = r.batches,
-                bytes_in = r.bytes_in, duration_ms = r.duration_ms, "import failed, nothing swept"),
+            None => {
+                info!(status = ?r.status, items, rejected, sweeps, bytes_in, ms = r.duration_ms, "import finished")
+            }
+            Some(error) => warn!(error, items, rejected, bytes_in, "import failed, nothing swept"),
         }
         let json = serde_json::to_string(r).unwrap_or_default();
         if let Err(e) = self.state.push_report(&r.partner, &json).await {
@@ -162,10 +159,14 @@ impl Importer {
         partner: &PartnerSettings,
         source: Source,
         report: &mut ImportReport,
-        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+        progress: ProgressFn<'_>,
     ) -> Result<(), ImportError> {
         let is_url = matches!(source, Source::Url(_));
-        let known = if is_url { self.state.validators(&partner.name).await? } else { Validators::default() };
+        let known = if is_url {
+            self.state.validators(&partner.name).await?
+        } else {
+            Validators::default()
+        };
         let (reader, fresh) = match source::open(source, &self.http, &known).await? {
             Opened::Unchanged => {
                 report.status = ImportStatus::Unchanged;
@@ -188,8 +189,7 @@ impl Importer {
                 max_payload.saturating_sub(PAYLOAD_HEADROOM),
             ),
             batch_seq: HashMap::new(),
-            rejects: HashMap::new(),
-            rejects_held: 0,
+            rejects: (0, Vec::new()),
             reject_seq: 0,
             places: BTreeSet::new(),
             report,
@@ -209,7 +209,7 @@ impl Importer {
 enum Event {
     Place(i64),
     Command(Command),
-    Reject(Reject),
+    Reject(i64, Rejection),
 }
 
 /// Counts raw feed bytes for progress and the report.
@@ -235,9 +235,8 @@ struct Run<'a> {
     batcher: CommandBatcher,
     /// Batches published per partition, for deterministic message ids.
     batch_seq: HashMap<Partition, u64>,
-    /// Rejections waiting, per place (0: unknown).
-    rejects: HashMap<i64, Vec<Rejection>>,
-    rejects_held: usize,
+    /// Rejections waiting, all of one place.
+    rejects: (i64, Vec<Rejection>),
     reject_seq: u64,
     places: BTreeSet<i64>,
     report: &'a mut ImportReport,
@@ -251,7 +250,7 @@ impl Run<'_> {
         &mut self,
         reader: FeedReader,
         cfg: &shelfsync_settings::IngestSettings,
-        progress: Option<&(dyn Fn(&Progress) + Send + Sync)>,
+        progress: ProgressFn<'_>,
     ) -> Result<(), ImportError> {
         let bytes_in = Arc::new(AtomicU64::new(0));
         let (tx, mut rx) = mpsc::channel::<Vec<Event>>(CHANNEL_CHUNKS);
@@ -275,10 +274,13 @@ impl Run<'_> {
                 chunk.push(match event {
                     FeedEvent::Place(place) => Event::Place(place),
                     FeedEvent::Item(item) => Event::Command(to_command(item, &ctx, now_micros())),
-                    FeedEvent::Reject(reject) => Event::Reject(reject),
+                    FeedEvent::Reject(r) => {
+                        Event::Reject(r.place_id.unwrap_or(0), to_rejection(r, &ctx, now_micros()))
+                    }
                 });
                 if chunk.len() >= CHUNK {
-                    tx.blocking_send(std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK))).map_err(|_| Stopped)?;
+                    tx.blocking_send(std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK)))
+                        .map_err(|_| Stopped)?;
                 }
                 Ok(())
             };
@@ -335,13 +337,17 @@ impl Run<'_> {
                         self.publish_batch(partition, batch).await?;
                     }
                 }
-                Event::Reject(reject) => self.reject(reject).await?,
+                Event::Reject(place, rejection) => self.reject(place, rejection).await?,
             }
         }
         Ok(())
     }
 
-    async fn publish_batch(&mut self, partition: Partition, batch: CommandBatch) -> Result<(), ImportError> {
+    async fn publish_batch(
+        &mut self,
+        partition: Partition,
+        batch: CommandBatch,
+    ) -> Result<(), ImportError> {
         let seq = self.batch_seq.entry(partition).or_default();
         let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
         *seq += 1;
@@ -350,7 +356,12 @@ impl Run<'_> {
         self.publish_cmd(partition, msg_id, batch).await
     }
 
-    async fn publish_cmd(&mut self, partition: Partition, msg_id: String, batch: CommandBatch) -> Result<(), ImportError> {
+    async fn publish_cmd(
+        &mut self,
+        partition: Partition,
+        msg_id: String,
+        batch: CommandBatch,
+    ) -> Result<(), ImportError> {
         let payload = Bytes::from(batch.encode_to_vec());
         self.report.bytes_out += payload.len() as u64;
         let subject = self.subjects.cmd(partition);
@@ -358,52 +369,29 @@ impl Run<'_> {
         Ok(())
     }
 
-    async fn reject(&mut self, r: Reject) -> Result<(), ImportError> {
-        *self.report.rejected.entry(r.reason.as_str().to_string()).or_default() += 1;
+    /// Rejections go out in batches of one place (0: unknown), in feed order.
+    async fn reject(&mut self, place: i64, rejection: Rejection) -> Result<(), ImportError> {
+        *self.report.rejected.entry(rejection.reason.clone()).or_default() += 1;
         self.report.rejected_total += 1;
-        let place = r.place_id.unwrap_or(0);
-        let key = match (r.place_id, r.id) {
-            (Some(place_id), Some(id)) => Some(RecordKey::new(self.partner.brand_id, place_id, id)),
-            _ => None,
-        };
-        let rejection = Rejection {
-            reason: r.reason.as_str().into(),
-            detail: r.detail,
-            key,
-            origin: Some(Origin {
-                source: self.partner.name.clone(),
-                import_id: self.report.import_id.clone(),
-                published_at: now_micros(),
-            }),
-            raw: r.raw,
-            command: None,
-        };
-        let held = self.rejects.entry(place).or_default();
-        held.push(rejection);
-        self.rejects_held += 1;
-        if held.len() >= REJECTS_PER_BATCH {
-            self.flush_rejects(Some(place)).await?;
-        } else if self.rejects_held >= REJECTS_HELD {
-            self.flush_rejects(None).await?;
+        if self.rejects.0 != place || self.rejects.1.len() >= REJECTS_PER_BATCH {
+            self.flush_rejects().await?;
+            self.rejects.0 = place;
         }
+        self.rejects.1.push(rejection);
         Ok(())
     }
 
-    /// Publishes the held rejections of `place`, or of every place.
-    async fn flush_rejects(&mut self, place: Option<i64>) -> Result<(), ImportError> {
-        let places: Vec<i64> = match place {
-            Some(p) => vec![p],
-            None => self.rejects.keys().copied().collect(),
-        };
-        for place in places {
-            let Some(rejections) = self.rejects.remove(&place) else { continue };
-            self.rejects_held -= rejections.len();
-            let msg_id = format!("{}:rej:{}", self.report.import_id, self.reject_seq);
-            self.reject_seq += 1;
-            let subject = self.subjects.rejects(self.partner.brand_id, place);
-            let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
-            self.publisher.publish(subject, msg_id, msg_type::REJECTION_BATCH, None, payload).await?;
+    async fn flush_rejects(&mut self) -> Result<(), ImportError> {
+        let rejections = std::mem::take(&mut self.rejects.1);
+        if rejections.is_empty() {
+            return Ok(());
         }
+        let msg_id = format!("{}:rej:{}", self.report.import_id, self.reject_seq);
+        self.reject_seq += 1;
+        let subject = self.subjects.rejects(self.partner.brand_id, self.rejects.0);
+        let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
+        let kind = msg_type::REJECTION_BATCH;
+        self.publisher.publish(subject, msg_id, kind, None, payload).await?;
         Ok(())
     }
 
@@ -412,7 +400,7 @@ impl Run<'_> {
         for (partition, batch) in self.batcher.drain() {
             self.publish_batch(partition, batch).await?;
         }
-        self.flush_rejects(None).await?;
+        self.flush_rejects().await?;
         self.publisher.flush().await?;
         self.report.places = self.places.len() as u64;
         Ok(())

@@ -8,7 +8,7 @@
 use prost::Message;
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, product_field};
+use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, Rejection, product_field};
 
 /// Longest product id accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -82,9 +82,8 @@ impl OwnedFields {
         OwnedFields(bits.fold(0, |acc, f| acc | 1 << f))
     }
 
-    pub fn all() -> Self {
-        Self::from_names(&product_field::NAMES)
-    }
+    /// Every Product field (numbers 1 to 8).
+    pub const ALL: OwnedFields = OwnedFields(0b1_1111_1110);
 
     pub fn contains(self, field: u32) -> bool {
         self.0 & (1 << field) != 0
@@ -143,7 +142,10 @@ type Invalid = (Reason, String);
 /// Validates one raw item. `place_id` is the enclosing place (nested format);
 /// `None` means the item carries its own `place_id` and `brand_id` (NDJSON).
 pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result<Item, Reject> {
-    let reject = |(reason, detail): Invalid| Reject { place_id, ..Reject::new(reason, detail, raw.as_bytes()) };
+    let reject = |(reason, detail): Invalid| Reject {
+        place_id,
+        ..Reject::new(reason, detail, raw.as_bytes())
+    };
     if raw.len() > rules.max_item_bytes {
         let detail = format!("item is {} bytes, the limit is {}", raw.len(), rules.max_item_bytes);
         return Err(reject((Reason::TooLarge, detail)));
@@ -164,8 +166,12 @@ pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result
     let id = own_id(&fields);
     let (place_id, id) = match (place, id) {
         (Ok(place_id), Ok(id)) => (place_id, id),
-        (Ok(place_id), Err(e)) => return Err(Reject { place_id: Some(place_id), ..reject(e) }),
-        (Err(e), id) => return Err(Reject { id: id.ok(), ..reject(e) }),
+        (Ok(place_id), Err(e)) => {
+            return Err(Reject { place_id: Some(place_id), ..reject(e) });
+        }
+        (Err(e), id) => {
+            return Err(Reject { id: id.ok(), ..reject(e) });
+        }
     };
     let mut item = Item { place_id, id, product: Product::default(), missing: Vec::new() };
     if let Err(e) = fill_product(&fields, rules.owned, &mut item) {
@@ -175,14 +181,19 @@ pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result
 }
 
 fn own_id(fields: &RawFields) -> Result<String, Invalid> {
-    let Some(raw) = fields.id else { return Err((Reason::MissingId, "no `id`".into())) };
+    let Some(raw) = fields.id else {
+        return Err((Reason::MissingId, "no `id`".into()));
+    };
     match serde_json::from_str::<String>(raw.get()) {
         Ok(id) if id.is_empty() => Err((Reason::MissingId, "`id` is empty".into())),
-        Ok(id) if id.len() > MAX_ID_BYTES => {
-            Err((Reason::InvalidValue, format!("`id` is {} bytes, the limit is {MAX_ID_BYTES}", id.len())))
-        }
+        Ok(id) if id.len() > MAX_ID_BYTES => Err((
+            Reason::InvalidValue,
+            format!("`id` is {} bytes, the limit is {MAX_ID_BYTES}", id.len()),
+        )),
         Ok(id) => Ok(id),
-        Err(_) => Err((Reason::MissingId, format!("`id` must be a string, got {}", kind_of(raw.get())))),
+        Err(_) => {
+            Err((Reason::MissingId, format!("`id` must be a string, got {}", kind_of(raw.get()))))
+        }
     }
 }
 
@@ -202,35 +213,45 @@ fn own_place(fields: &RawFields, brand_id: i64) -> Result<i64, Invalid> {
     }
 }
 
-fn fill_product<'a>(f: &RawFields<'a>, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
+impl<'a> RawFields<'a> {
+    /// The raw value of `Product` field `number`.
+    fn product_field(&self, number: u32) -> Option<&'a RawValue> {
+        use product_field as pf;
+        match number {
+            pf::TITLE => self.title,
+            pf::CATEGORY => self.category,
+            pf::PRICE => self.price,
+            pf::OLD_PRICE => self.old_price,
+            pf::CURRENCY => self.currency,
+            pf::STOCK => self.stock,
+            pf::IMAGES => self.images,
+            _ => self.description,
+        }
+    }
+}
+
+fn fill_product(f: &RawFields, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
     use product_field as pf;
-    let p = &mut item.product;
-    let mut present = |field: u32, raw: Option<&'a RawValue>| -> Option<&'a RawValue> {
-        if !owned.contains(field) {
-            return None;
+    for (number, name) in (1..).zip(product_field::NAMES) {
+        if !owned.contains(number) {
+            continue;
         }
-        if raw.is_none() {
-            item.missing.push(field);
+        let Some(raw) = f.product_field(number) else {
+            item.missing.push(number);
+            continue;
+        };
+        let p = &mut item.product;
+        match number {
+            pf::TITLE => p.title = Some(string(name, raw)?),
+            pf::CATEGORY => p.category = Some(string(name, raw)?),
+            pf::PRICE => p.price = Some(int(name, raw)?),
+            pf::OLD_PRICE => p.old_price = Some(int(name, raw)?),
+            pf::CURRENCY => p.currency = Some(string(name, raw)?),
+            pf::STOCK => p.stock = Some(int(name, raw)?),
+            pf::IMAGES => p.images = strings(name, raw)?,
+            _ => p.description = Some(string(name, raw)?),
         }
-        raw
-    };
-    // In field-number order, so that `missing` comes out sorted.
-    let (title, category, price) =
-        (present(pf::TITLE, f.title), present(pf::CATEGORY, f.category), present(pf::PRICE, f.price));
-    let (old_price, currency, stock) = (
-        present(pf::OLD_PRICE, f.old_price),
-        present(pf::CURRENCY, f.currency),
-        present(pf::STOCK, f.stock),
-    );
-    let (images, description) = (present(pf::IMAGES, f.images), present(pf::DESCRIPTION, f.description));
-    p.title = title.map(|v| string("title", v)).transpose()?;
-    p.category = category.map(|v| string("category", v)).transpose()?;
-    p.price = price.map(|v| int("price", v)).transpose()?;
-    p.old_price = old_price.map(|v| int("old_price", v)).transpose()?;
-    p.currency = currency.map(|v| string("currency", v)).transpose()?;
-    p.stock = stock.map(|v| int("stock", v)).transpose()?;
-    p.images = images.map(|v| strings("images", v)).transpose()?.unwrap_or_default();
-    p.description = description.map(|v| string("description", v)).transpose()?;
+    }
     Ok(())
 }
 
@@ -241,8 +262,10 @@ pub(crate) fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
     if let Ok(n) = text.parse::<i64>() {
         return Ok(n);
     }
-    let wrong = || (Reason::WrongType, format!("`{name}` must be an integer, got {}", kind_of(text)));
-    let out_of_range = || (Reason::OutOfRange, format!("`{name}` = {} does not fit in 64 bits", clip(text)));
+    let wrong =
+        || (Reason::WrongType, format!("`{name}` must be an integer, got {}", kind_of(text)));
+    let out_of_range =
+        || (Reason::OutOfRange, format!("`{name}` = {} does not fit in 64 bits", clip(text)));
     if !text.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
         return Err(wrong());
     }
@@ -258,8 +281,9 @@ pub(crate) fn int(name: &str, raw: &RawValue) -> Result<i64, Invalid> {
 }
 
 fn string(name: &str, raw: &RawValue) -> Result<String, Invalid> {
-    let s: String = serde_json::from_str(raw.get())
-        .map_err(|_| (Reason::WrongType, format!("`{name}` must be a string, got {}", kind_of(raw.get()))))?;
+    let s: String = serde_json::from_str(raw.get()).map_err(|_| {
+        (Reason::WrongType, format!("`{name}` must be a string, got {}", kind_of(raw.get())))
+    })?;
     if s.len() > MAX_STRING_BYTES {
         let detail = format!("`{name}` is {} bytes, the limit is {MAX_STRING_BYTES}", s.len());
         return Err((Reason::InvalidValue, detail));
@@ -274,7 +298,10 @@ fn strings(name: &str, raw: &RawValue) -> Result<Vec<String>, Invalid> {
         let detail = format!("{} `{name}`, the limit is {MAX_IMAGES}", items.len());
         return Err((Reason::InvalidValue, detail));
     }
-    items.into_iter().map(|v| string(name, v).map_err(|e| if e.0 == Reason::WrongType { wrong() } else { e })).collect()
+    items
+        .into_iter()
+        .map(|v| string(name, v).map_err(|e| if e.0 == Reason::WrongType { wrong() } else { e }))
+        .collect()
 }
 
 /// The JSON type of a raw value, for error details.
@@ -306,6 +333,13 @@ pub struct CommandContext {
     pub import_id: String,
 }
 
+impl CommandContext {
+    fn origin(&self, published_at: i64) -> Option<Origin> {
+        let (source, import_id) = (self.source.clone(), self.import_id.clone());
+        Some(Origin { source, import_id, published_at })
+    }
+}
+
 /// One item, one PATCH: the owned fields it carries, and (with
 /// `clear_missing`) the owned fields it no longer carries.
 pub fn to_command(item: Item, ctx: &CommandContext, published_at: i64) -> Command {
@@ -315,13 +349,20 @@ pub fn to_command(item: Item, ctx: &CommandContext, published_at: i64) -> Comman
         data: item.product.encode_to_vec(),
         clear_data_fields: if ctx.clear_missing { item.missing } else { Vec::new() },
         generation: ctx.generation,
-        origin: Some(Origin {
-            source: ctx.source.clone(),
-            import_id: ctx.import_id.clone(),
-            published_at,
-        }),
+        origin: ctx.origin(published_at),
         ..Default::default()
     }
+}
+
+/// A rejected item as published on the rejects subject; the key only when
+/// both its place and its id are known.
+pub fn to_rejection(r: Reject, ctx: &CommandContext, published_at: i64) -> Rejection {
+    let key = match (r.place_id, r.id) {
+        (Some(place_id), Some(id)) => Some(RecordKey::new(ctx.brand_id, place_id, id)),
+        _ => None,
+    };
+    let (reason, detail, raw) = (r.reason.as_str().into(), r.detail, r.raw);
+    Rejection { reason, detail, key, raw, origin: ctx.origin(published_at), command: None }
 }
 
 #[cfg(test)]
@@ -329,30 +370,31 @@ mod tests {
     use super::*;
 
     fn rules(owned: OwnedFields) -> ItemRules {
-        ItemRules { brand_id: 7, owned, max_item_bytes: 64 * 1024 }
+        ItemRules { brand_id: 7, owned, max_item_bytes: 1 << 20 }
     }
 
-    fn reason(raw: &str) -> Reason {
-        parse_item(raw, Some(1), &rules(OwnedFields::all())).expect_err(raw).reason
+    fn context(clear_missing: bool) -> CommandContext {
+        let (source, import_id) = ("p".into(), "p-5".into());
+        CommandContext { brand_id: 7, generation: 5, clear_missing, source, import_id }
     }
 
     #[test]
-    fn zero_price_and_stock_are_present_in_the_encoded_product() {
-        let item = parse_item(r#"{"id":"a","price":0,"stock":0}"#, Some(1), &rules(OwnedFields::all()))
-            .expect("valid");
-        let ctx = CommandContext {
-            brand_id: 7,
-            generation: 5,
-            clear_missing: true,
-            source: "p".into(),
-            import_id: "p-5".into(),
-        };
-        let cmd = to_command(item, &ctx, 9);
-        let product = Product::decode(cmd.data.as_slice()).expect("decodes");
-        assert_eq!((product.price, product.stock), (Some(0), Some(0)));
-        assert_eq!(cmd.kind, CommandKind::Patch as i32);
-        assert_eq!(cmd.generation, 5);
-        assert_eq!(cmd.key, Some(RecordKey::new(7, 1, "a")));
+    fn an_item_maps_to_one_patch_where_zero_is_a_value() {
+        let raw = r#"{"id":"sku-1","title":"Roses","category":"roses","price":0,"old_price":399000,
+            "currency":"RUB","stock":0,"images":["a.jpg","b.jpg"],"description":"d","extra":{"x":[1]}}"#;
+        let item = parse_item(raw, Some(42), &rules(OwnedFields::ALL)).expect("valid");
+        assert!(item.missing.is_empty());
+        let cmd = to_command(item, &context(true), 9);
+        assert_eq!((cmd.kind, cmd.generation), (CommandKind::Patch as i32, 5));
+        assert_eq!(cmd.key, Some(RecordKey::new(7, 42, "sku-1")));
+        let p = Product::decode(cmd.data.as_slice()).expect("decodes");
+        assert_eq!((p.price, p.stock), (Some(0), Some(0)), "0 is present on the wire");
+        assert_eq!((p.title.as_deref(), p.old_price), (Some("Roses"), Some(399000)));
+        assert_eq!(p.images, vec!["a.jpg", "b.jpg"]);
+        // Business rules are the validator's business: these land.
+        let odd =
+            parse_item(r#"{"id":"a","price":-5,"stock":-1}"#, Some(1), &rules(OwnedFields::ALL));
+        assert_eq!(odd.expect("lands").product.stock, Some(-1));
     }
 
     #[test]
@@ -363,88 +405,58 @@ mod tests {
         let item = parse_item(raw, Some(1), &rules(owned)).expect("valid");
         assert_eq!(item.product, Product { price: Some(100), ..Default::default() });
         assert_eq!(item.missing, vec![product_field::OLD_PRICE, product_field::STOCK]);
-        let mut ctx = CommandContext {
-            brand_id: 7,
-            generation: 0,
-            clear_missing: false,
-            source: "p".into(),
-            import_id: "i".into(),
-        };
-        assert!(to_command(item.clone(), &ctx, 0).clear_data_fields.is_empty());
-        ctx.clear_missing = true;
-        assert_eq!(to_command(item, &ctx, 0).clear_data_fields, vec![4, 6]);
-    }
-
-    #[test]
-    fn every_field_maps() {
-        let raw = r#"{"id":"sku-1","title":"Roses","category":"roses","price":349000,"old_price":399000,
-            "currency":"RUB","stock":5,"images":["a.jpg","b.jpg"],"description":"d","extra":{"x":[1]}}"#;
-        let item = parse_item(raw, Some(42), &rules(OwnedFields::all())).expect("valid");
-        assert_eq!(item.product.title.as_deref(), Some("Roses"));
-        assert_eq!(item.product.old_price, Some(399000));
-        assert_eq!(item.product.images, vec!["a.jpg", "b.jpg"]);
-        assert!(item.missing.is_empty());
-        assert_eq!((item.place_id, item.id.as_str()), (42, "sku-1"));
+        assert!(to_command(item.clone(), &context(false), 0).clear_data_fields.is_empty());
+        assert_eq!(to_command(item, &context(true), 0).clear_data_fields, vec![4, 6]);
+        assert_eq!(OwnedFields::from_names(&product_field::NAMES), OwnedFields::ALL);
     }
 
     #[test]
     fn rejections_have_stable_reasons() {
-        assert_eq!(reason(r#"{"title":"x"}"#), Reason::MissingId);
-        assert_eq!(reason(r#"{"id":""}"#), Reason::MissingId);
-        assert_eq!(reason(r#"{"id":12}"#), Reason::MissingId);
-        assert_eq!(reason(r#"{"id":null}"#), Reason::MissingId);
-        assert_eq!(reason(r#"{"id":"a","price":"12"}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","price":1.5}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","stock":true}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","images":"x.jpg"}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","images":[1]}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","title":["t"]}"#), Reason::WrongType);
-        assert_eq!(reason(r#"{"id":"a","price":99999999999999999999}"#), Reason::OutOfRange);
-        assert_eq!(reason(r#"{"id":"a","price":-1e30}"#), Reason::OutOfRange);
-        assert_eq!(reason(&format!(r#"{{"id":"{}"}}"#, "x".repeat(257))), Reason::InvalidValue);
-        let images = vec!["\"i\""; 65].join(",");
-        assert_eq!(reason(&format!(r#"{{"id":"a","images":[{images}]}}"#)), Reason::InvalidValue);
-        assert_eq!(reason("[1,2]"), Reason::NotAnObject);
-        assert_eq!(reason("\"sku\""), Reason::NotAnObject);
-        assert_eq!(reason(r#"{"id":"a","id":"b"}"#), Reason::Malformed);
+        use Reason::*;
+        let long_id = format!(r#"{{"id":"{}"}}"#, "x".repeat(MAX_ID_BYTES + 1));
+        let images = format!(r#"{{"id":"a","images":[{}]}}"#, vec!["\"i\""; 65].join(","));
+        let long_text = format!(r#"{{"id":"a","title":"{}"}}"#, "t".repeat(MAX_STRING_BYTES + 1));
+        let cases: &[(&str, Option<i64>, Reason)] = &[
+            (r#"{"title":"x"}"#, Some(1), MissingId),
+            (r#"{"id":""}"#, Some(1), MissingId),
+            (r#"{"id":12}"#, Some(1), MissingId),
+            (r#"{"id":null}"#, Some(1), MissingId),
+            (r#"{"id":"a","price":"12"}"#, Some(1), WrongType),
+            (r#"{"id":"a","price":1.5}"#, Some(1), WrongType),
+            (r#"{"id":"a","stock":true}"#, Some(1), WrongType),
+            (r#"{"id":"a","images":"x.jpg"}"#, Some(1), WrongType),
+            (r#"{"id":"a","images":[1]}"#, Some(1), WrongType),
+            (r#"{"id":"a","title":["t"]}"#, Some(1), WrongType),
+            (r#"{"id":"a","price":99999999999999999999}"#, Some(1), OutOfRange),
+            (r#"{"id":"a","price":-1e30}"#, Some(1), OutOfRange),
+            (&long_id, Some(1), InvalidValue),
+            (&images, Some(1), InvalidValue),
+            (&long_text, Some(1), InvalidValue),
+            ("[1,2]", Some(1), NotAnObject),
+            ("\"sku\"", Some(1), NotAnObject),
+            (r#"{"id":"a","id":"b"}"#, Some(1), Malformed),
+            // NDJSON: the item carries its own brand and place.
+            (r#"{"id":"a","brand_id":8,"place_id":9}"#, None, BrandMismatch),
+            (r#"{"id":"a","brand_id":7}"#, None, MissingPlace),
+            (r#"{"id":"a","place_id":"9"}"#, None, WrongType),
+        ];
+        for (raw, place, reason) in cases {
+            let rejected = parse_item(raw, *place, &rules(OwnedFields::ALL)).expect_err(raw);
+            assert_eq!(rejected.reason, *reason, "{raw:.80}: {}", rejected.detail);
+            assert!(rejected.raw.len() <= MAX_RAW_BYTES);
+        }
+        let small = ItemRules { max_item_bytes: 20, ..rules(OwnedFields::ALL) };
+        let rejected = parse_item(r#"{"id":"a","title":"a long title"}"#, Some(1), &small);
+        assert_eq!(rejected.expect_err("too large").reason, TooLarge);
     }
 
     #[test]
-    fn wrong_type_names_the_field_and_keeps_the_key() {
-        let r = parse_item(r#"{"id":"a","price":"12"}"#, Some(3), &rules(OwnedFields::all())).expect_err("bad");
+    fn a_rejection_names_the_field_and_keeps_the_key() {
+        let all = rules(OwnedFields::ALL);
+        let r = parse_item(r#"{"id":"a","price":"12"}"#, Some(3), &all).expect_err("bad");
         assert!(r.detail.contains("`price`"), "{}", r.detail);
         assert_eq!((r.place_id, r.id.as_deref()), (Some(3), Some("a")));
-    }
-
-    #[test]
-    fn size_limits() {
-        let small = ItemRules { max_item_bytes: 20, ..rules(OwnedFields::all()) };
-        let raw = r#"{"id":"a","title":"a long title"}"#;
-        let r = parse_item(raw, Some(1), &small).expect_err("too large");
-        assert_eq!(r.reason, Reason::TooLarge);
-        let huge = ItemRules { max_item_bytes: 1 << 20, ..rules(OwnedFields::all()) };
-        let raw = format!(r#"{{"id":"a","description":"{}"}}"#, "d".repeat(MAX_STRING_BYTES + 1));
-        let r = parse_item(&raw, Some(1), &huge).expect_err("string too long");
-        assert_eq!(r.reason, Reason::InvalidValue);
-        assert_eq!(r.raw.len(), MAX_RAW_BYTES);
-    }
-
-    #[test]
-    fn business_rules_are_not_ingests_business() {
-        let item = parse_item(r#"{"id":"a","price":-5,"stock":-1}"#, Some(1), &rules(OwnedFields::all()));
-        assert_eq!(item.expect("lands").product.stock, Some(-1));
-    }
-
-    #[test]
-    fn ndjson_items_carry_their_own_place_and_brand() {
-        let r = rules(OwnedFields::all());
-        let item = parse_item(r#"{"id":"a","brand_id":7,"place_id":9}"#, None, &r).expect("valid");
-        assert_eq!(item.place_id, 9);
-        let e = parse_item(r#"{"id":"a","brand_id":8,"place_id":9}"#, None, &r).expect_err("brand");
-        assert_eq!(e.reason, Reason::BrandMismatch);
-        let e = parse_item(r#"{"id":"a","brand_id":7}"#, None, &r).expect_err("place");
-        assert_eq!(e.reason, Reason::MissingPlace);
-        let e = parse_item(r#"{"id":"a","place_id":"9"}"#, None, &r).expect_err("place type");
-        assert_eq!(e.reason, Reason::WrongType);
+        let item = parse_item(r#"{"id":"a","brand_id":7,"place_id":9}"#, None, &all);
+        assert_eq!(item.expect("valid NDJSON item").place_id, 9);
     }
 }

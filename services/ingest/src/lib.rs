@@ -25,6 +25,6 @@ mod source;
 mod state;
 
 pub use app::{App, shutdown_signal};
-pub use import::Importer;
+pub use import::{Importer, ProgressFn};
 pub use report::{ImportError, ImportReport, ImportStatus, Progress};
 pub use source::{Source, Validators};

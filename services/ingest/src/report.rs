@@ -10,9 +10,10 @@ use serde::{Deserialize, Serialize};
 use crate::feed::FeedError;
 
 /// How an import ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ImportStatus {
+    #[default]
     Completed,
     /// The source said the feed did not change (HTTP 304): nothing published.
     Unchanged,
@@ -20,7 +21,7 @@ pub enum ImportStatus {
 }
 
 /// The summary of one import. Counts are of this import only.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ImportReport {
     pub import_id: String,
     pub partner: String,
@@ -54,7 +55,10 @@ pub struct ImportReport {
 impl ImportReport {
     /// A human-readable summary, a few lines.
     pub fn render(&self) -> String {
-        let mut out = format!("import {} of {} ({}) from {}: ", self.import_id, self.partner, self.kind, self.source);
+        let mut out = format!(
+            "import {} of {} ({}) from {}: ",
+            self.import_id, self.partner, self.kind, self.source
+        );
         let secs = self.duration_ms as f64 / 1000.0;
         match self.status {
             ImportStatus::Completed => _ = write!(out, "completed in {secs:.2} s"),
@@ -69,7 +73,8 @@ impl ImportReport {
         }
         _ = write!(out, "\n  items      {} good, {} rejected", self.items, self.rejected_total);
         if !self.rejected.is_empty() {
-            let reasons: Vec<String> = self.rejected.iter().map(|(r, n)| format!("{r} {n}")).collect();
+            let reasons: Vec<String> =
+                self.rejected.iter().map(|(r, n)| format!("{r} {n}")).collect();
             _ = write!(out, " ({})", reasons.join(", "));
         }
         _ = write!(out, "\n  places     {}, {} swept", self.places, self.sweeps);
@@ -132,7 +137,10 @@ impl ImportError {
     pub fn is_bad_feed(&self) -> bool {
         matches!(
             self,
-            ImportError::NotJson { .. } | ImportError::Empty | ImportError::Malformed(_) | ImportError::BrandMismatch { .. }
+            ImportError::NotJson { .. }
+                | ImportError::Empty
+                | ImportError::Malformed(_)
+                | ImportError::BrandMismatch { .. }
         )
     }
 
@@ -141,7 +149,9 @@ impl ImportError {
             FeedError::Empty => ImportError::Empty,
             FeedError::NotJson { found, offset } => ImportError::NotJson { found, offset },
             FeedError::Malformed(m) => ImportError::Malformed(m),
-            FeedError::BrandMismatch { expected, found } => ImportError::BrandMismatch { expected, found },
+            FeedError::BrandMismatch { expected, found } => {
+                ImportError::BrandMismatch { expected, found }
+            }
             FeedError::Io(e) => ImportError::Source { what: what.into(), detail: error_chain(&e) },
             FeedError::Stopped => ImportError::Internal("the parse was stopped".into()),
         }
@@ -161,39 +171,4 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
         cause = c.source();
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_failed_report_says_what_stays_and_what_was_not_swept() {
-        let report = ImportReport {
-            import_id: "p-1".into(),
-            partner: "p".into(),
-            kind: "full".into(),
-            source: "feed.json".into(),
-            status: ImportStatus::Failed,
-            error: Some("the feed is malformed: EOF".into()),
-            items: 3,
-            commands: 3,
-            rejected: [("wrong_type".to_string(), 2)].into(),
-            rejected_total: 2,
-            places: 1,
-            sweeps: 0,
-            batches: 1,
-            bytes_in: 2048,
-            bytes_out: 300,
-            duration_ms: 1500,
-            generation: 1,
-        };
-        let text = report.render();
-        assert!(text.contains("FAILED after 1.50 s"), "{text}");
-        assert!(text.contains("3 good, 2 rejected (wrong_type 2)"), "{text}");
-        assert!(text.contains("nothing was swept"), "{text}");
-        let json = serde_json::to_value(&report).expect("serializes");
-        assert_eq!(json["status"], "failed");
-        assert_eq!(json["rejected"]["wrong_type"], 2);
-    }
 }

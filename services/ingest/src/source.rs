@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::pin::Pin;
 
 use futures::TryStreamExt;
-use reqwest::header::{ETAG, HeaderMap, IF_MODIFIED_SINCE, IF_NONE_MATCH, LAST_MODIFIED};
 use reqwest::StatusCode;
+use reqwest::header::{ETAG, HeaderMap, IF_MODIFIED_SINCE, IF_NONE_MATCH, LAST_MODIFIED};
 use tokio::io::AsyncRead;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
@@ -69,7 +69,11 @@ pub(crate) enum Opened {
 /// Opens `source`; for a URL, asks only for a feed newer than `known`.
 /// Must be called inside the Tokio runtime (the async-to-sync bridge binds
 /// to it).
-pub(crate) async fn open(source: Source, http: &reqwest::Client, known: &Validators) -> Result<Opened, ImportError> {
+pub(crate) async fn open(
+    source: Source,
+    http: &reqwest::Client,
+    known: &Validators,
+) -> Result<Opened, ImportError> {
     let what = source.describe();
     let failed = |detail: String| ImportError::Source { what: what.clone(), detail };
     match source {
@@ -77,7 +81,9 @@ pub(crate) async fn open(source: Source, http: &reqwest::Client, known: &Validat
             let file = tokio::fs::File::open(&path).await.map_err(|e| failed(error_chain(&e)))?;
             Ok(Opened::Feed(Box::new(file.into_std().await), Validators::default()))
         }
-        Source::Stream(stream) => Ok(Opened::Feed(Box::new(SyncIoBridge::new(stream)), Validators::default())),
+        Source::Stream(stream) => {
+            Ok(Opened::Feed(Box::new(SyncIoBridge::new(stream)), Validators::default()))
+        }
         Source::Url(url) => {
             let mut request = http.get(&url);
             if let Some(etag) = &known.etag {
@@ -113,9 +119,15 @@ mod tests {
 
     #[test]
     fn sources_parse_by_scheme() {
-        assert!(matches!(Source::parse("https://x.example/feed"), Source::Url(u) if u == "https://x.example/feed"));
+        assert!(
+            matches!(Source::parse("https://x.example/feed"), Source::Url(u) if u == "https://x.example/feed")
+        );
         assert!(matches!(Source::parse("http://x"), Source::Url(_)));
-        assert!(matches!(Source::parse("file:///tmp/f.json"), Source::File(p) if p == PathBuf::from("/tmp/f.json")));
-        assert!(matches!(Source::parse("feeds/f.json"), Source::File(p) if p == PathBuf::from("feeds/f.json")));
+        assert!(
+            matches!(Source::parse("file:///tmp/f.json"), Source::File(p) if p.as_os_str() == "/tmp/f.json")
+        );
+        assert!(
+            matches!(Source::parse("feeds/f.json"), Source::File(p) if p.as_os_str() == "feeds/f.json")
+        );
     }
 }

@@ -30,7 +30,9 @@ pub(crate) struct State {
 impl State {
     pub async fn connect(cfg: &RedisSettings) -> RedisResult<State> {
         let conn = if cfg.cluster {
-            Conn::Cluster(redis::cluster::ClusterClient::new(cfg.urls())?.get_async_connection().await?)
+            Conn::Cluster(
+                redis::cluster::ClusterClient::new(cfg.urls())?.get_async_connection().await?,
+            )
         } else {
             Conn::Single(redis::Client::open(cfg.url.as_str())?.get_connection_manager().await?)
         };
@@ -53,8 +55,10 @@ impl State {
 
     pub async fn validators(&self, partner: &str) -> RedisResult<Validators> {
         Ok(Validators {
-            etag: self.query(&redis::cmd("GET").arg(self.key(partner, "etag"))).await?,
-            last_modified: self.query(&redis::cmd("GET").arg(self.key(partner, "last_modified"))).await?,
+            etag: self.query(redis::cmd("GET").arg(self.key(partner, "etag"))).await?,
+            last_modified: self
+                .query(redis::cmd("GET").arg(self.key(partner, "last_modified")))
+                .await?,
         })
     }
 
@@ -72,8 +76,8 @@ impl State {
 
     pub async fn push_report(&self, partner: &str, json: &str) -> RedisResult<()> {
         let key = self.key(partner, "reports");
-        self.query::<()>(&redis::cmd("LPUSH").arg(&key).arg(json)).await?;
-        self.query::<()>(&redis::cmd("LTRIM").arg(&key).arg(0).arg(KEPT_REPORTS - 1)).await
+        self.query::<()>(redis::cmd("LPUSH").arg(&key).arg(json)).await?;
+        self.query::<()>(redis::cmd("LTRIM").arg(&key).arg(0).arg(KEPT_REPORTS - 1)).await
     }
 
     /// The last `n` reports, newest first, as stored (JSON).
@@ -82,6 +86,6 @@ impl State {
             return Ok(Vec::new());
         }
         let stop = n.min(KEPT_REPORTS as usize) as isize - 1;
-        self.query(&redis::cmd("LRANGE").arg(self.key(partner, "reports")).arg(0).arg(stop)).await
+        self.query(redis::cmd("LRANGE").arg(self.key(partner, "reports")).arg(0).arg(stop)).await
     }
 }

@@ -1,0 +1,390 @@
+//! Ingest against real nats-server and redis-server processes (testkit):
+//! what lands on the CMD and REJECTS streams, sweeps, HTTP polling with
+//! ETag, and the service (push endpoint, poll loop).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use prost::Message;
+use shelfsync_bus::{Subjects, partition_of};
+use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, Importer, Source};
+use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, RejectionBatch};
+use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
+use shelfsync_testkit::{TestEnv, eventually};
+
+type Result<T = ()> = anyhow::Result<T>;
+
+/// (subject, Nats-Msg-Id, payload) of one stored message.
+type Stored = (String, String, bytes::Bytes);
+
+struct Harness {
+    _env: TestEnv,
+    settings: Settings,
+    js: async_nats::jetstream::Context,
+    subjects: Subjects,
+    dir: tempfile::TempDir,
+}
+
+fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
+    let fields = fields.iter().map(|f| f.to_string()).collect();
+    let (source, poll_interval, format) = (None, None, FeedFormat::Auto);
+    let name = name.into();
+    PartnerSettings {
+        name,
+        brand_id: 7,
+        kind,
+        fields,
+        source,
+        poll_interval,
+        format,
+        clear_missing: true,
+    }
+}
+
+fn full(name: &str) -> PartnerSettings {
+    partner(name, ImportKind::Full, &shelfsync_proto::product_field::NAMES)
+}
+
+async fn harness(partners: Vec<PartnerSettings>) -> Result<Harness> {
+    let env = TestEnv::start().await?;
+    let mut settings = Settings::default();
+    settings.nats.url = env.nats.url();
+    settings.nats.prefix = env.prefix.clone();
+    settings.redis.url = env.redis.url();
+    settings.redis.namespace = env.namespace.clone();
+    settings.storage.partitions = 4;
+    settings.ingest.listen = "127.0.0.1:0".into();
+    settings.partners = partners;
+    settings.validate()?;
+    let client = shelfsync_bus::connect(&settings.nats, "ingest-test", false).await?;
+    let js = shelfsync_bus::jetstream(client, &settings.nats);
+    shelfsync_bus::provision(&js, &settings).await?;
+    let (subjects, dir) = (Subjects::new(&settings.nats.prefix), tempfile::tempdir()?);
+    Ok(Harness { _env: env, settings, js, subjects, dir })
+}
+
+impl Harness {
+    async fn importer(&self) -> Result<Importer> {
+        Importer::connect(Arc::new(self.settings.clone())).await
+    }
+
+    /// Writes `feed` to a file and imports it for `partner`.
+    async fn import(
+        &self,
+        partner: &str,
+        feed: &str,
+    ) -> std::result::Result<ImportReport, ImportError> {
+        let path = self.dir.path().join(format!("{partner}.feed"));
+        std::fs::write(&path, feed).expect("writes the feed");
+        let importer = self.importer().await.expect("connects");
+        let partner = self.settings.partner(partner).expect("configured");
+        importer.import(partner, Source::File(path), None).await
+    }
+
+    /// Every message of a stream, in stream order.
+    async fn stream(&self, name: String) -> Result<Vec<Stored>> {
+        let mut stream = self.js.get_stream(&name).await?;
+        let mut out = Vec::new();
+        for seq in 1..=stream.info().await?.state.last_sequence {
+            let m = stream.get_raw_message(seq).await?;
+            let id = m.headers.get("Nats-Msg-Id").map(|v| v.to_string()).unwrap_or_default();
+            out.push((m.subject.to_string(), id, m.payload));
+        }
+        Ok(out)
+    }
+
+    async fn cmd_batches(&self) -> Result<Vec<(String, String, CommandBatch)>> {
+        let stored = self.stream(self.subjects.cmd_stream()).await?;
+        stored.into_iter().map(|(s, id, p)| Ok((s, id, CommandBatch::decode(p)?))).collect()
+    }
+
+    async fn commands(&self) -> Result<Vec<Command>> {
+        let batches = self.cmd_batches().await?;
+        let mut commands: Vec<Command> = batches.into_iter().flat_map(|b| b.2.commands).collect();
+        commands.sort_by_key(|c| c.key.as_ref().map(|k| k.product_id.clone()));
+        Ok(commands)
+    }
+}
+
+fn product(c: &Command) -> Product {
+    Product::decode(c.data.as_slice()).expect("a Product")
+}
+
+#[tokio::test]
+async fn a_full_import_publishes_patches_then_one_sweep_per_place() -> Result {
+    let h = harness(vec![full("flowers")]).await?;
+    let feed = r#"{"brand_id": 7, "places": [
+        {"place_id": 42, "items": [
+            {"id": "sku-1", "title": "Red roses", "price": 0, "stock": 0, "images": ["1.jpg"]},
+            {"id": "sku-2", "title": "Tulips", "price": 1500, "currency": "RUB"}]},
+        {"place_id": 43, "items": [{"id": "sku-3", "title": "Lilies"}]},
+        {"place_id": 44, "items": []}]}"#;
+    let r = h.import("flowers", feed).await?;
+    assert_eq!(r.status, ImportStatus::Completed);
+    assert_eq!(
+        (r.items, r.commands, r.places, r.sweeps, r.bytes_in),
+        (3, 3, 3, 3, feed.len() as u64)
+    );
+    assert_eq!(r.import_id, format!("flowers-{}", r.generation));
+
+    let batches = h.cmd_batches().await?;
+    let first_sweep = batches.iter().position(|b| !b.2.sweeps.is_empty()).expect("sweeps");
+    let (commands, sweeps) = batches.split_at(first_sweep);
+    for (subject, msg_id, batch) in commands {
+        assert!(batch.sweeps.is_empty(), "every sweep comes after every command");
+        assert_eq!(subject, &h.subjects.cmd(shelfsync_bus::Partition(batch.partition)));
+        assert!(msg_id.starts_with(&format!("{}:{}:", r.import_id, batch.partition)), "{msg_id}");
+        for c in &batch.commands {
+            let place = c.key.as_ref().expect("key").place_id;
+            assert_eq!(batch.partition, partition_of(7, place, 4).0);
+            assert_eq!((c.kind, c.generation), (CommandKind::Patch as i32, r.generation));
+            assert_eq!(c.origin.as_ref().expect("origin").import_id, r.import_id);
+        }
+    }
+    let commands = h.commands().await?;
+    assert_eq!(commands[0].key, Some(RecordKey::new(7, 42, "sku-1")));
+    let roses = product(&commands[0]);
+    assert_eq!((roses.price, roses.stock), (Some(0), Some(0)), "zero is a value");
+    assert_eq!(roses.images, vec!["1.jpg"]);
+    assert_eq!(commands[0].clear_data_fields, vec![2, 4, 5, 8], "owned and missing: cleared");
+    assert_eq!(product(&commands[1]).currency.as_deref(), Some("RUB"));
+    assert_eq!(commands[2].key, Some(RecordKey::new(7, 43, "sku-3")));
+
+    let mut swept = Vec::new();
+    for (_, msg_id, batch) in sweeps {
+        let [sweep] = batch.sweeps.as_slice() else { panic!("one sweep per message") };
+        assert_eq!((sweep.brand_id, sweep.generation), (7, r.generation));
+        assert_eq!(
+            (sweep.source.as_str(), sweep.import_id.as_str()),
+            ("flowers", r.import_id.as_str())
+        );
+        assert_eq!(batch.partition, partition_of(7, sweep.place_id, 4).0);
+        assert_eq!(msg_id, &format!("{}:sweep:{}", r.import_id, sweep.place_id));
+        swept.push(sweep.place_id);
+    }
+    assert_eq!(swept, vec![42, 43, 44], "the place listed with no items is swept too");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_delta_partner_patches_only_its_fields_and_never_sweeps() -> Result {
+    let h = harness(vec![partner("prices", ImportKind::Delta, &["price", "old_price"])]).await?;
+    let feed = "{\"id\":\"a\",\"brand_id\":7,\"place_id\":1,\"price\":500,\"title\":\"x\",\"stock\":3}\n\
+                {\"id\":\"b\",\"brand_id\":7,\"place_id\":2,\"price\":600,\"old_price\":700}\n";
+    let r = h.import("prices", feed).await?;
+    assert_eq!((r.items, r.places, r.sweeps, r.generation), (2, 2, 0, 0));
+    assert!(h.cmd_batches().await?.iter().all(|b| b.2.sweeps.is_empty()));
+    let commands = h.commands().await?;
+    assert!(commands.iter().all(|c| c.generation == 0));
+    assert_eq!(product(&commands[0]), Product { price: Some(500), ..Default::default() });
+    assert_eq!(
+        commands[0].clear_data_fields,
+        vec![4],
+        "old_price is owned and missing, stock is not owned"
+    );
+    let b = Product { price: Some(600), old_price: Some(700), ..Default::default() };
+    assert_eq!(product(&commands[1]), b);
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_items_are_rejected_with_reasons_and_good_ones_land() -> Result {
+    let h = harness(vec![full("flowers")]).await?;
+    let feed = r#"{"brand_id": 7, "places": [{"place_id": 42, "items": [
+        {"id": "good-1", "price": 100}, {"title": "no id"}, {"id": "bad-price", "price": "12.50"},
+        {"id": "good-1", "price": 200}, {"id": "good-2", "stock": -3}]}]}"#;
+    let r = h.import("flowers", feed).await?;
+    assert_eq!((r.items, r.rejected_total, r.sweeps), (2, 3, 1));
+    let by_reason: Vec<_> = r.rejected.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    assert_eq!(by_reason, ["duplicate_id=1", "missing_id=1", "wrong_type=1"]);
+    let text = r.render();
+    assert!(
+        text.contains("2 good, 3 rejected (duplicate_id 1, missing_id 1, wrong_type 1)"),
+        "{text}"
+    );
+    assert_eq!(h.commands().await?.len(), 2);
+
+    let mut rejections = Vec::new();
+    for (subject, msg_id, payload) in h.stream(h.subjects.rejects_stream()).await? {
+        assert_eq!(subject, h.subjects.rejects(7, 42));
+        assert!(msg_id.starts_with(&format!("{}:rej:", r.import_id)), "{msg_id}");
+        rejections.extend(RejectionBatch::decode(payload)?.rejections);
+    }
+    let reasons: Vec<&str> = rejections.iter().map(|r| r.reason.as_str()).collect();
+    assert_eq!(reasons, ["missing_id", "wrong_type", "duplicate_id"]);
+    assert_eq!(rejections[1].key, Some(RecordKey::new(7, 42, "bad-price")));
+    assert!(rejections[1].detail.contains("price"));
+    assert!(String::from_utf8_lossy(&rejections[1].raw).contains("12.50"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_feed_that_is_not_json_or_is_cut_short_fails_and_sweeps_nothing() -> Result {
+    let h = harness(vec![full("flowers")]).await?;
+    let err = h
+        .import("flowers", "<html><body>502 Bad Gateway</body></html>")
+        .await
+        .expect_err("not JSON");
+    assert!(matches!(err, ImportError::NotJson { offset: 0, .. }), "{err:?}");
+    assert!(err.to_string().contains("not JSON") && err.to_string().contains("<html>"), "{err}");
+    assert!(h.cmd_batches().await?.is_empty());
+
+    let cut = r#"{"brand_id": 7, "places": [{"place_id": 42, "items": [{"id": "a"}, {"id": "b"#;
+    let err = h.import("flowers", cut).await.expect_err("truncated");
+    assert!(matches!(err, ImportError::Malformed(_)), "{err:?}");
+    assert!(h.cmd_batches().await?.iter().all(|b| b.2.sweeps.is_empty()), "no sweep");
+    assert_eq!(h.commands().await?.len(), 1, "the item before the failure stays published");
+
+    let reports = h.importer().await?.reports("flowers", 5).await?;
+    assert_eq!(reports.len(), 2, "failed imports are recorded");
+    assert!(reports.iter().all(|r| r.status == ImportStatus::Failed && r.sweeps == 0));
+    assert!(reports[1].error.as_deref().is_some_and(|e| e.contains("not JSON")));
+    assert!(reports[0].render().contains("nothing was swept"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn http_polling_with_an_unchanged_etag_publishes_nothing() -> Result {
+    use axum::http::{HeaderMap, StatusCode, header};
+    let h = harness(vec![full("flowers")]).await?;
+    let conditional = Arc::new(AtomicUsize::new(0));
+    let seen = conditional.clone();
+    let feed = move |headers: HeaderMap| async move {
+        let etag = [(header::ETAG, "\"v1\"")];
+        if headers.get(header::IF_NONE_MATCH).is_some_and(|v| v == "\"v1\"") {
+            seen.fetch_add(1, Ordering::SeqCst);
+            return (StatusCode::NOT_MODIFIED, etag, "");
+        }
+        (StatusCode::OK, etag, r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"}]}]}"#)
+    };
+    let server = axum::Router::new()
+        .route("/feed.json", axum::routing::get(feed))
+        .route("/broken", axum::routing::get(|| async { StatusCode::INTERNAL_SERVER_ERROR }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, server).await });
+
+    let importer = h.importer().await?;
+    let flowers = h.settings.partner("flowers").expect("configured");
+    let poll = |path: &str| importer.import(flowers, Source::parse(&format!("{base}{path}")), None);
+    let first = poll("/feed.json").await?;
+    assert_eq!((first.status, first.items, first.sweeps), (ImportStatus::Completed, 1, 1));
+    let published = h.cmd_batches().await?.len();
+
+    let second = poll("/feed.json").await?;
+    assert_eq!((second.status, second.items, second.sweeps), (ImportStatus::Unchanged, 0, 0));
+    assert_eq!(conditional.load(Ordering::SeqCst), 1, "the stored ETag was sent back");
+    assert_eq!(h.cmd_batches().await?.len(), published, "an unchanged dump publishes nothing");
+
+    let err = poll("/broken").await.expect_err("HTTP 500");
+    assert!(matches!(&err, ImportError::Source { detail, .. } if detail.contains("500")), "{err}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_service_takes_pushed_feeds_and_polls_files_when_they_change() -> Result {
+    let mut h = harness(vec![full("pushed")]).await?;
+    let path = h.dir.path().join("polled.json");
+    std::fs::write(&path, r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"}]}]}"#)?;
+    let mut polled = full("polled");
+    (polled.source, polled.poll_interval) =
+        (Some(path.display().to_string()), Some(Duration::from_millis(50)));
+    h.settings.partners.push(polled);
+    h.settings.ingest.batch_size = 100;
+    let app = App::build(h.settings.clone()).await?;
+    let base = format!("http://{}", app.local_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(app.run_until(async move { _ = stopped.await }));
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    assert_eq!(http.get(format!("{base}/healthz")).send().await?.status(), 200);
+    eventually(Duration::from_secs(5), "readyz", || {
+        let request = http.get(format!("{base}/readyz")).send();
+        async move { request.await.is_ok_and(|r| r.status() == 200) }
+    })
+    .await;
+    let push = |partner: &str, body: &'static str| {
+        http.post(format!("{base}/v1/partners/{partner}/feed")).body(body).send()
+    };
+    let feed =
+        r#"{"brand_id":7,"places":[{"place_id":5,"items":[{"id":"a"},{"id":"b"},{"price":2}]}]}"#;
+    let response = push("pushed", feed).await?;
+    assert_eq!(response.status(), 200);
+    let report: serde_json::Value = serde_json::from_slice(&response.bytes().await?)?;
+    assert_eq!((report["status"].as_str(), report["items"].as_u64()), (Some("completed"), Some(2)));
+    assert_eq!(
+        (report["rejected"]["missing_id"].as_u64(), report["sweeps"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(push("nobody", feed).await?.status(), 404);
+    let response = push("pushed", "<html>").await?;
+    assert_eq!(response.status(), 400);
+    let body: serde_json::Value = serde_json::from_slice(&response.bytes().await?)?;
+    assert!(body["error"].as_str().is_some_and(|e| e.contains("not JSON")), "{body}");
+    let importer = h.importer().await?;
+    let importer = &importer;
+    let reports =
+        move || async move { importer.reports("polled", 20).await.map_or(0, |r| r.len()) };
+    eventually(
+        Duration::from_secs(5),
+        "the first poll",
+        move || async move { reports().await == 1 },
+    )
+    .await;
+    std::fs::write(
+        &path,
+        r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"},{"id":"b"}]}]}"#,
+    )?;
+    eventually(
+        Duration::from_secs(5),
+        "the changed file",
+        move || async move { reports().await == 2 },
+    )
+    .await;
+    // Polls of an unchanged file import nothing: a negative cannot be waited
+    // for, so this window of several poll intervals is a deliberate sleep.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // One import per partner at a time: while a slow push runs (it has
+    // published a first batch), another push of that partner is refused.
+    let published = || async { h.cmd_batches().await.map_or(0, |b| b.len()) };
+    let before = published().await;
+    let (mut tx, rx) = futures::channel::mpsc::channel::<std::io::Result<String>>(1);
+    let slow =
+        http.post(format!("{base}/v1/partners/pushed/feed")).body(reqwest::Body::wrap_stream(rx));
+    let slow = tokio::spawn(slow.send());
+    let lines: String = (0..300).map(|i| format!("{{\"id\":\"s{i}\",\"place_id\":1}}\n")).collect();
+    futures::SinkExt::send(&mut tx, Ok(lines)).await?;
+    eventually(Duration::from_secs(5), "a first batch", || async { published().await > before })
+        .await;
+    assert_eq!(push("pushed", feed).await?.status(), 409);
+    drop(tx);
+    assert_eq!(slow.await??.status(), 200, "the slow push completes");
+    _ = stop.send(());
+    running.await??;
+    let items: Vec<u64> = importer.reports("polled", 20).await?.iter().map(|r| r.items).collect();
+    assert_eq!(items, [2, 1], "imported once per version of the file");
+    Ok(())
+}
+
+#[tokio::test]
+async fn batches_hold_at_most_batch_size_commands() -> Result {
+    let h = harness(vec![full("flowers")]).await?;
+    let items: Vec<String> =
+        (0..2500).map(|i| format!(r#"{{"id":"sku-{i}","price":{i}}}"#)).collect();
+    let feed =
+        format!(r#"{{"brand_id":7,"places":[{{"place_id":9,"items":[{}]}}]}}"#, items.join(","));
+    let path = h.dir.path().join("big.json");
+    std::fs::write(&path, feed)?;
+    let calls = AtomicUsize::new(0);
+    let progress = |_: &shelfsync_ingest::Progress| _ = calls.fetch_add(1, Ordering::Relaxed);
+    let flowers = h.settings.partner("flowers").expect("configured");
+    let r = h.importer().await?.import(flowers, Source::File(path), Some(&progress)).await?;
+    assert_eq!((r.items, r.batches, r.sweeps), (2500, 3, 1));
+    assert!(calls.load(Ordering::Relaxed) >= 1, "progress is reported, at least at the end");
+    let sizes: Vec<usize> = h.cmd_batches().await?.iter().map(|b| b.2.commands.len()).collect();
+    assert_eq!(sizes, [1000, 1000, 500, 0], "three batches, then the sweep");
+    Ok(())
+}
