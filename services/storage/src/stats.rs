@@ -16,6 +16,8 @@ pub struct Stats {
     pub rejected: AtomicU64,
     pub sweeps: AtomicU64,
     pub published: AtomicU64,
+    /// Payload bytes of the change batches published (the "bytes out").
+    pub change_bytes: AtomicU64,
     pub purged: AtomicU64,
     pub retries: AtomicU64,
     pub fenced: AtomicU64,
@@ -45,6 +47,7 @@ impl Stats {
             "rejected": g(&self.rejected),
             "sweeps": g(&self.sweeps),
             "published": g(&self.published),
+            "change_bytes": g(&self.change_bytes),
             "purged": g(&self.purged),
             "retries": g(&self.retries),
             "fenced": g(&self.fenced),

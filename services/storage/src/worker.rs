@@ -467,6 +467,12 @@ impl Worker {
                 .map_err(|e| e.to_string())?;
             total += entries.len();
             self.stats.add(&self.stats.published, entries.len() as u64);
+            let change_bytes: usize = entries
+                .iter()
+                .filter(|e| e.msg_type == msg_type::CHANGE_BATCH)
+                .map(|e| e.payload.len())
+                .sum();
+            self.stats.add(&self.stats.change_bytes, change_bytes as u64);
         }
     }
 
