@@ -1,0 +1,64 @@
+//! The NATS request/reply API: `TopRequest` → `TopReply` on
+//! `<prefix>.recommend.top`, queue group `recommender` so that one replica
+//! answers each request.
+//!
+//! A replica joins the queue group only once its index is bootstrapped (the
+//! NATS counterpart of `/readyz`): requests go to replicas that can answer,
+//! and a client sees "no responders" rather than a partial answer when none
+//! can. It leaves the group first on shutdown.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use prost::Message;
+use shelfsync_proto::{TopReply, TopRequest};
+use tokio::sync::watch;
+use tracing::{error, info, warn};
+
+use crate::query::Api;
+
+pub const QUEUE_GROUP: &str = "recommender";
+
+/// Serves `subject` until `stop` flips.
+pub async fn serve(
+    api: Api,
+    client: async_nats::Client,
+    subject: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    while !api.ready() {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+    let mut sub = match client.queue_subscribe(subject.clone(), QUEUE_GROUP.into()).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, subject = %subject, "cannot subscribe to the query subject");
+            return;
+        }
+    };
+    info!(subject = %subject, queue = QUEUE_GROUP, "answering top-N requests");
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => break },
+            _ = stop.changed() => break,
+        };
+        let Some(reply_to) = msg.reply else { continue };
+        // Answered inline: a query holds the read lock for microseconds.
+        let reply = match TopRequest::decode(msg.payload.as_ref()) {
+            Ok(req) => api.answer(req),
+            Err(e) => {
+                api.stats.nats.fetch_add(1, Ordering::Relaxed);
+                api.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                TopReply { items: Vec::new(), error: format!("not a TopRequest: {e}") }
+            }
+        };
+        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+            warn!(error = %e, "cannot send a top-N reply");
+        }
+    }
+    let _ = sub.unsubscribe().await;
+}
