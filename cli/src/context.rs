@@ -33,24 +33,25 @@ impl Context {
             ..settings.telemetry.clone()
         };
         let guard = shelfsync_telemetry::init("shelfsync-cli", &telemetry)?;
-        Ok(Context {
-            settings: Arc::new(settings),
-            _telemetry: guard,
-        })
+        Ok(Context { settings: Arc::new(settings), _telemetry: guard })
     }
 
     pub fn subjects(&self) -> Subjects {
         Subjects::new(&self.settings.nats.prefix)
     }
 
-    /// A JetStream context; fails at once when NATS is down (no retry loop
+    /// A NATS connection; fails at once when NATS is down (no retry loop
     /// in front of an operator).
-    pub async fn jetstream(&self) -> anyhow::Result<jetstream::Context> {
+    pub async fn nats(&self) -> anyhow::Result<async_nats::Client> {
         let nats = &self.settings.nats;
-        let client = shelfsync_bus::connect(nats, "shelfsync-cli", false)
+        shelfsync_bus::connect(nats, "shelfsync-cli", false)
             .await
-            .with_context(|| format!("is NATS running at {} (nats.url)?", nats.url))?;
-        Ok(shelfsync_bus::jetstream(client, nats))
+            .with_context(|| format!("is NATS running at {} (nats.url)?", nats.url))
+    }
+
+    /// A JetStream context on a fresh connection.
+    pub async fn jetstream(&self) -> anyhow::Result<jetstream::Context> {
+        Ok(shelfsync_bus::jetstream(self.nats().await?, &self.settings.nats))
     }
 
     /// The storage's Redis, read-only use.

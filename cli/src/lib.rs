@@ -17,7 +17,7 @@
 mod cmd;
 mod context;
 pub mod genfeed;
-pub mod json;
+pub use shelfsync_proto::json;
 
 use std::path::PathBuf;
 
@@ -47,17 +47,20 @@ pub struct Cli {
 pub enum Command {
     /// Create or update the streams (idempotent) and show what exists.
     Setup(cmd::setup::Args),
-    /// Run one import of a partner's feed from a file or URL.
-    #[cfg(feature = "import")]
+    /// Run one import of a partner's feed from a file, a URL or stdin.
     Import(cmd::import::Args),
     /// Show one record as JSON, data and state decoded.
     Get(cmd::get::Args),
     /// Print changes (or rejections) as JSON lines as they happen.
     Tail(cmd::tail::Args),
+    /// Ask storage to publish a keyframe now (every place, or one).
+    Keyframe(cmd::keyframe::Args),
     /// Write a deterministic synthetic partner feed.
     GenFeed(cmd::gen_feed::Args),
     /// Stream sizes, storage lag and outbox depth.
     Stats(cmd::stats::Args),
+    /// Wait until storage has applied every queued command.
+    Wait(cmd::wait::Args),
 }
 
 /// Runs one verb to completion.
@@ -68,11 +71,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::GenFeed(args) => cmd::gen_feed::run(args),
         Command::Setup(args) => cmd::setup::run(&ctx()?, args).await,
-        #[cfg(feature = "import")]
         Command::Import(args) => cmd::import::run(&ctx()?, args).await,
         Command::Get(args) => cmd::get::run(&ctx()?, args).await,
         Command::Tail(args) => cmd::tail::run(&ctx()?, args).await,
+        Command::Keyframe(args) => cmd::keyframe::run(&ctx()?, args).await,
         Command::Stats(args) => cmd::stats::run(&ctx()?, args).await,
+        Command::Wait(args) => cmd::wait::run(&ctx()?, args).await,
     }
 }
 

@@ -42,11 +42,7 @@ pub struct Args {
 
 fn fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if (0.0..=1.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{v} is not between 0 and 1"))
-    }
+    if (0.0..=1.0).contains(&v) { Ok(v) } else { Err(format!("{v} is not between 0 and 1")) }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -63,8 +59,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let summary = if args.out == "-" {
         genfeed::write_feed(&spec, io::stdout().lock()).context("cannot write to stdout")?
     } else {
-        let file = File::create(&args.out)
-            .with_context(|| format!("cannot create {}", args.out))?;
+        let file =
+            File::create(&args.out).with_context(|| format!("cannot create {}", args.out))?;
         genfeed::write_feed(&spec, file).with_context(|| format!("cannot write {}", args.out))?
     };
     let target = if args.out == "-" { "stdout" } else { args.out.as_str() };
@@ -78,4 +74,3 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     Ok(())
 }
-

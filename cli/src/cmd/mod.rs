@@ -4,11 +4,12 @@
 
 pub mod gen_feed;
 pub mod get;
-#[cfg(feature = "import")]
 pub mod import;
+pub mod keyframe;
 pub mod setup;
 pub mod stats;
 pub mod tail;
+pub mod wait;
 
 /// Stream names and states shared by `setup` and `stats`.
 mod streams;

@@ -11,14 +11,12 @@ pub struct Args {}
 
 pub async fn run(ctx: &Context, _args: Args) -> anyhow::Result<()> {
     let js = ctx.jetstream().await?;
-    shelfsync_bus::provision(&js, &ctx.settings)
-        .await
-        .context("cannot provision the streams")?;
+    shelfsync_bus::provision(&js, &ctx.settings).await.context("cannot provision the streams")?;
     println!(
         "streams of prefix `{}` ({} command partitions):",
         ctx.settings.nats.prefix, ctx.settings.storage.partitions
     );
-    for (_, name) in streams::names(&ctx.subjects()) {
+    for (_, name) in streams::names(&ctx.settings) {
         let Some(s) = streams::state(&js, &name).await? else {
             anyhow::bail!("stream {name} is missing right after provisioning");
         };

@@ -32,8 +32,12 @@ const CONCURRENCY: usize = 16;
 struct Report {
     prefix: String,
     partitions: u32,
-    /// By role (`cmd`, `changes`, `rejects`); null when the stream is missing.
-    streams: BTreeMap<&'static str, Option<StreamState>>,
+    /// By role (`cmd`, `changes`, `rejects`, ...); null when the stream is
+    /// missing.
+    streams: BTreeMap<String, Option<StreamState>>,
+    /// Roles in creation order, for the table.
+    #[serde(skip)]
+    roles: Vec<String>,
     /// Storage consumers that exist, by partition.
     storage_consumers: Vec<ConsumerLag>,
     /// Partitions whose outbox is not empty.
@@ -87,15 +91,15 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     let partitions = ctx.settings.storage.partitions;
 
     let mut streams_by_role = BTreeMap::new();
-    for (role, name) in streams::names(&subjects) {
-        streams_by_role.insert(role, streams::state(&js, &name).await?);
+    let mut roles = Vec::new();
+    for (role, name) in streams::names(&ctx.settings) {
+        streams_by_role.insert(role.clone(), streams::state(&js, &name).await?);
+        roles.push(role);
     }
 
-    let storage_consumers = if streams_by_role["cmd"].is_some() {
-        let cmd = js
-            .get_stream(subjects.cmd_stream())
-            .await
-            .context("cannot open the command stream")?;
+    let storage_consumers = if streams_by_role.get("cmd").is_some_and(Option::is_some) {
+        let cmd =
+            js.get_stream(subjects.cmd_stream()).await.context("cannot open the command stream")?;
         consumer_lags(&cmd, &subjects, partitions).await?
     } else {
         Vec::new()
@@ -118,7 +122,9 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         .try_collect()
         .await?;
 
-    let get = |role: &str, f: fn(&StreamState) -> u64| streams_by_role[role].as_ref().map_or(0, f);
+    let get = |role: &str, f: fn(&StreamState) -> u64| {
+        streams_by_role.get(role).and_then(Option::as_ref).map_or(0, f)
+    };
     let flow = Flow {
         command_messages_published: get("cmd", |s| s.last_seq),
         command_messages_queued: get("cmd", |s| s.messages),
@@ -133,6 +139,7 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         prefix: ctx.settings.nats.prefix.clone(),
         partitions,
         streams: streams_by_role,
+        roles,
         storage_consumers,
         outbox,
         flow,
@@ -181,20 +188,20 @@ fn render(r: &Report) -> String {
     let _ = writeln!(s);
     let _ = writeln!(
         s,
-        "{:<8} {:<24} {:>12} {:>14} {:>12} {:>12} {:>9}",
+        "{:<10} {:<28} {:>12} {:>14} {:>12} {:>12} {:>9}",
         "stream", "name", "messages", "bytes", "first_seq", "last_seq", "consumers"
     );
-    for (role, state) in &r.streams {
-        match state {
+    for role in &r.roles {
+        match r.streams.get(role).and_then(Option::as_ref) {
             Some(st) => {
                 let _ = writeln!(
                     s,
-                    "{:<8} {:<24} {:>12} {:>14} {:>12} {:>12} {:>9}",
+                    "{:<10} {:<28} {:>12} {:>14} {:>12} {:>12} {:>9}",
                     role, st.name, st.messages, st.bytes, st.first_seq, st.last_seq, st.consumers
                 );
             }
             None => {
-                let _ = writeln!(s, "{role:<8} missing (run `shelfsync setup`)");
+                let _ = writeln!(s, "{role:<10} missing (run `shelfsync setup`)");
             }
         }
     }

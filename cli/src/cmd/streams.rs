@@ -3,15 +3,19 @@
 use anyhow::Context as _;
 use async_nats::jetstream::{self, context::GetStreamErrorKind, stream::RetentionPolicy};
 use serde::Serialize;
-use shelfsync_bus::Subjects;
+use shelfsync_settings::Settings;
 
-/// The streams the CLI knows, by role, in creation order.
-pub fn names(subjects: &Subjects) -> [(&'static str, String); 3] {
-    [
-        ("cmd", subjects.cmd_stream()),
-        ("changes", subjects.changes_stream()),
-        ("rejects", subjects.rejects_stream()),
-    ]
+/// The suite's streams as `(role, name)`, in creation order: whatever the
+/// bus provisions, the role being the name's last `_` token in lower case
+/// (`SHELFSYNC_CHANGES` → `changes`).
+pub fn names(settings: &Settings) -> Vec<(String, String)> {
+    shelfsync_bus::stream_configs(settings)
+        .into_iter()
+        .map(|c| {
+            let role = c.name.rsplit('_').next().unwrap_or_default().to_lowercase();
+            (role, c.name)
+        })
+        .collect()
 }
 
 /// A stream's configuration and state, as of one `STREAM.INFO`.
@@ -38,10 +42,8 @@ pub async fn state(js: &jetstream::Context, name: &str) -> anyhow::Result<Option
         Err(e) if is_not_found(&e) => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("cannot look up stream {name}")),
     };
-    let info = stream
-        .info()
-        .await
-        .with_context(|| format!("cannot read the state of stream {name}"))?;
+    let info =
+        stream.info().await.with_context(|| format!("cannot read the state of stream {name}"))?;
     Ok(Some(StreamState {
         name: name.to_string(),
         subjects: info.config.subjects.clone(),

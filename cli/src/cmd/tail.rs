@@ -50,41 +50,26 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         let token = |v: Option<i64>| v.map_or_else(|| "*".to_string(), |v| v.to_string());
         (
             subjects.rejects_stream(),
-            format!(
-                "{}.rejects.{}.{}",
-                subjects.prefix(),
-                token(args.brand),
-                token(args.place)
-            ),
+            format!("{}.rejects.{}.{}", subjects.prefix(), token(args.brand), token(args.place)),
         )
     } else {
-        (
-            subjects.changes_stream(),
-            subjects.changes_filter(args.brand, args.place),
-        )
+        (subjects.changes_stream(), subjects.changes_filter(args.brand, args.place))
     };
 
     let js = ctx.jetstream().await?;
-    let stream = js
-        .get_stream(&stream_name)
-        .await
-        .with_context(|| format!("cannot open stream {stream_name} (has `shelfsync setup` run?)"))?;
+    let stream = js.get_stream(&stream_name).await.with_context(|| {
+        format!("cannot open stream {stream_name} (has `shelfsync setup` run?)")
+    })?;
     let consumer = stream
         .create_consumer(OrderedConfig {
             filter_subject: filter.clone(),
-            deliver_policy: if args.from_start {
-                DeliverPolicy::All
-            } else {
-                DeliverPolicy::New
-            },
+            deliver_policy: if args.from_start { DeliverPolicy::All } else { DeliverPolicy::New },
             ..Default::default()
         })
         .await
         .with_context(|| format!("cannot create a consumer on {stream_name} for {filter}"))?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .with_context(|| format!("cannot read {stream_name}"))?;
+    let mut messages =
+        consumer.messages().await.with_context(|| format!("cannot read {stream_name}"))?;
 
     let mut out = BufWriter::new(io::stdout());
     let mut printed = 0u64;
@@ -129,23 +114,19 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
 }
 
 /// The JSON lines of one message: a `ChangeBatch` gives one line per change
-/// (with the batch's `command_seq` and `partition`), a `RejectionBatch` one
-/// per rejection.
+/// (with the batch's `command_seq` and `partition`) and one for a keyframe
+/// marker, a `RejectionBatch` one per rejection.
 fn decode(payload: &[u8], rejects: bool) -> Result<Vec<Value>, prost::DecodeError> {
     if rejects {
         let batch = RejectionBatch::decode(payload)?;
-        return Ok(batch
-            .rejections
-            .iter()
-            .map(json::rejection_to_json)
-            .collect());
+        return Ok(batch.rejections.iter().map(json::rejection_to_json).collect());
     }
     let batch = ChangeBatch::decode(payload)?;
-    Ok(batch
-        .changes
-        .iter()
-        .map(|c| {
-            let mut v = json::change_to_json(c);
+    let changes = batch.changes.iter().map(json::change_to_json);
+    let mark = batch.keyframe.as_ref().map(json::keyframe_mark_to_json);
+    Ok(changes
+        .chain(mark)
+        .map(|mut v| {
             if let Value::Object(m) = &mut v {
                 m.insert("command_seq".into(), batch.command_seq.into());
                 m.insert("partition".into(), batch.partition.into());

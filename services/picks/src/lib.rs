@@ -36,8 +36,11 @@ pub struct Pick {
 /// Picks per place; shared between the feed (writer) and HTTP (readers).
 #[derive(Debug, Default, Clone)]
 pub struct Picks {
-    places: Arc<RwLock<HashMap<(i64, i64), BTreeMap<String, Pick>>>>,
+    places: Arc<RwLock<HashMap<(i64, i64), PlacePicks>>>,
 }
+
+/// One place's picks by product id.
+type PlacePicks = BTreeMap<String, Pick>;
 
 impl Picks {
     /// The pick an update makes, or `None` if the offer does not qualify.

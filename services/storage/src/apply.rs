@@ -120,15 +120,15 @@ pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<(i64, i64)>) {
     (keys, places)
 }
 
-fn reject(cmd: &Command, reason: &str, detail: String) -> Rejection {
-    Rejection {
+fn reject(cmd: &Command, reason: &str, detail: String) -> Box<Rejection> {
+    Box::new(Rejection {
         command: Some(cmd.clone()),
         reason: reason.to_string(),
         detail,
         key: cmd.key.clone(),
         origin: cmd.origin.clone(),
         raw: Vec::new(),
-    }
+    })
 }
 
 fn bump(prev: i64, now: i64) -> i64 {
@@ -156,7 +156,7 @@ pub fn apply_batch(
                 out.applied += 1;
                 out.unchanged += 1;
             }
-            Err(rejection) => out.rejections.push(rejection),
+            Err(rejection) => out.rejections.push(*rejection),
         }
     }
     for sweep in &batch.sweeps {
@@ -165,7 +165,7 @@ pub fn apply_batch(
     out
 }
 
-fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Rejection> {
+fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Box<Rejection>> {
     let Some(key) = cmd.key.clone() else {
         return Err(reject(cmd, reason::MALFORMED, "command without a key".into()));
     };
@@ -189,7 +189,7 @@ fn apply_command(
     cmd: &Command,
     slots: &mut HashMap<Key, Slot>,
     limits: &Limits,
-) -> Result<Option<Change>, Rejection> {
+) -> Result<Option<Change>, Box<Rejection>> {
     let key = validate(cmd, limits)?;
     let kind = CommandKind::try_from(cmd.kind).unwrap_or(CommandKind::Unspecified);
     if kind == CommandKind::Unspecified {

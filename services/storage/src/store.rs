@@ -698,7 +698,8 @@ impl Store {
         }
         let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
         let mut conn = self.conn.clone();
-        let (recs, gens): (Vec<Option<Vec<u8>>>, Vec<Option<Vec<u8>>>) = redis::pipe()
+        let (recs, gens): (Vec<Option<Vec<u8>>>, Vec<Option<Vec<u8>>>);
+        (recs, gens) = redis::pipe()
             .cmd("HMGET")
             .arg(keys.records(brand_id, place_id))
             .arg(ids)

@@ -1,0 +1,129 @@
+//! `shelfsync import --partner NAME FILE|URL|-`: one import with the
+//! partner's settings, run in this process by the ingest library. Progress
+//! on stderr while stdout is a terminal; the report on stdout at the end,
+//! also when the import failed (then the exit code is non-zero).
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use shelfsync_ingest::{ImportReport, Importer, Progress, Source};
+use shelfsync_settings::PartnerSettings;
+
+use crate::Context;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The partner, as named under [[partners]] in the settings.
+    #[arg(long)]
+    partner: String,
+    /// The feed: a file, a file:// or http(s):// URL, or `-` for stdin.
+    #[arg(value_name = "FILE|URL|-")]
+    source: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
+    let partner = find_partner(&ctx.settings.partners, &args.partner)?;
+    let source = if args.source == "-" {
+        Source::Stream(Box::new(tokio::io::stdin()))
+    } else {
+        Source::parse(&args.source)
+    };
+    let importer =
+        Importer::connect(ctx.settings.clone()).await.context("cannot start the import")?;
+
+    let bar = progress_bar(&source);
+    let on_progress = |p: &Progress| {
+        bar.set_position(p.bytes_in);
+        bar.set_message(format!(
+            "{} items, {} rejected, {} batches",
+            p.items, p.rejected, p.batches
+        ));
+    };
+    let (report, result) = importer.run(partner, source, Some(&on_progress)).await;
+    bar.finish_and_clear();
+
+    print_report(&report, args.json)?;
+    result.with_context(|| format!("import of {} for partner {} failed", args.source, partner.name))
+}
+
+fn find_partner<'a>(
+    partners: &'a [PartnerSettings],
+    name: &str,
+) -> anyhow::Result<&'a PartnerSettings> {
+    if let Some(p) = partners.iter().find(|p| p.name == name) {
+        return Ok(p);
+    }
+    if partners.is_empty() {
+        anyhow::bail!(
+            "unknown partner `{name}`: no partners are configured (add a [[partners]] section to the settings file given with --config)"
+        );
+    }
+    let names: Vec<&str> = partners.iter().map(|p| p.name.as_str()).collect();
+    anyhow::bail!("unknown partner `{name}`; configured partners: {}", names.join(", "))
+}
+
+/// A byte bar when the size is known (a local file), a spinner otherwise;
+/// drawn on stderr, and only when stdout is a terminal (piped output stays
+/// clean and scripts see no escape codes).
+fn progress_bar(source: &Source) -> ProgressBar {
+    let total = match source {
+        Source::File(path) => std::fs::metadata(path).ok().map(|m| m.len()),
+        _ => None,
+    };
+    let bar = match total {
+        Some(len) => ProgressBar::new(len).with_style(
+            ProgressStyle::with_template(
+                "{spinner} {bytes:>10}/{total_bytes} [{bar:30}] {bytes_per_sec:>12} eta {eta}  {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        ),
+        None => ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("{spinner} {bytes:>10} read {bytes_per_sec:>12}  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        ),
+    };
+    if std::io::stdout().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::stderr());
+        bar.enable_steady_tick(Duration::from_millis(100));
+    } else {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    bar
+}
+
+fn print_report(report: &ImportReport, json: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    let text = if json { serde_json::to_string_pretty(report)? } else { report.render() };
+    writeln!(std::io::stdout().lock(), "{text}")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn partner(name: &str) -> PartnerSettings {
+        shelfsync_settings::Settings::from_toml(&format!(
+            "[[partners]]\nname = \"{name}\"\nbrand_id = 7\nkind = \"full\""
+        ))
+        .expect("settings")
+        .partners
+        .remove(0)
+    }
+
+    #[test]
+    fn unknown_partner_lists_the_configured_ones() {
+        let partners = [partner("flowers"), partner("prices")];
+        assert_eq!(find_partner(&partners, "prices").expect("found").name, "prices");
+        let err = find_partner(&partners, "nope").expect_err("unknown").to_string();
+        assert!(err.contains("`nope`") && err.contains("flowers, prices"), "{err}");
+        let err = find_partner(&[], "nope").expect_err("none").to_string();
+        assert!(err.contains("no partners are configured"), "{err}");
+    }
+}
