@@ -1,0 +1,278 @@
+//! Builds the aggregator from settings and runs it until told to stop: the
+//! change feed (keyframe bootstrap, then the tail), the reload watcher and
+//! the HTTP API.
+//!
+//! - `GET /v1/cards/{region}/{product}`: the master card as last published
+//!   (404 when no offer qualifies);
+//! - `GET /v1/places/{brand}/{place}/categories`: the place's non-empty
+//!   categories, sorted;
+//! - `/healthz`; `/readyz` (503 until bootstrapped); `/metrics`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
+use shelfsync_proto::MasterCard;
+use shelfsync_settings::Settings;
+use tokio::sync::watch;
+use tracing::{error, info};
+
+use crate::aggregate::CardId;
+use crate::engine::{Aggregator, Status};
+
+/// How often the watcher looks for reloads to sweep.
+const RELOAD_POLL: Duration = Duration::from_millis(100);
+
+/// The feed configuration: a durable consumer named by
+/// `aggregator.consumer`, bootstrapped from keyframes at every start.
+pub fn feed_config(settings: &Settings) -> FeedConfig {
+    FeedConfig { bootstrap: Bootstrap::Keyframe, ..FeedConfig::new(&settings.aggregator.consumer) }
+}
+
+pub struct App {
+    settings: Settings,
+    client: async_nats::Client,
+    aggregator: Aggregator,
+    http: tokio::net::TcpListener,
+}
+
+impl App {
+    /// Connects to NATS and Redis, makes sure the streams exist and binds
+    /// the HTTP listener.
+    pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
+        let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
+        shelfsync_bus::provision(&js, &settings).await?;
+        let aggregator = Aggregator::connect(&settings, client.clone())
+            .await
+            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
+        let listen = &settings.aggregator.http_listen;
+        let http = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        Ok(App { settings, client, aggregator, http })
+    }
+
+    /// Where the HTTP API listens (useful with port 0).
+    pub fn http_addr(&self) -> std::net::SocketAddr {
+        self.http.local_addr().expect("bound listener has an address")
+    }
+
+    pub fn aggregator(&self) -> Aggregator {
+        self.aggregator.clone()
+    }
+
+    /// Runs until `shutdown` resolves, then finishes the batch in hand (the
+    /// feed acks it), stops the watcher and the HTTP server.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let App { settings, client, aggregator, http } = self;
+        // Whatever a crash left half published goes out before anything new.
+        aggregator.recover().await.context("recovering unpublished aggregates")?;
+        let mut feed = ChangeFeed::new(client.clone(), &settings, feed_config(&settings));
+        let feed_status = feed.status();
+        aggregator.follow(feed_status.clone()).await;
+        info!(
+            consumer = %settings.aggregator.consumer,
+            places = settings.aggregator.places.len(),
+            default_region = ?settings.aggregator.default_region,
+            http = %http.local_addr()?,
+            "aggregator starting"
+        );
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let router = router(Http {
+            aggregator: aggregator.clone(),
+            feed: feed_status.clone(),
+            status: aggregator.status(),
+        });
+        let mut http_stop = stop_rx.clone();
+        let http_task = tokio::spawn(async move {
+            axum::serve(http, router)
+                .with_graceful_shutdown(async move {
+                    let _ = http_stop.changed().await;
+                })
+                .await
+        });
+        let watcher = tokio::spawn(watch_reloads(aggregator.clone(), stop_rx));
+
+        let mut handler = aggregator;
+        let result = run_feed(&mut feed, &mut handler, &feed_status, shutdown).await;
+        let _ = stop_tx.send(true);
+        let _ = watcher.await;
+        http_task.await.context("http task")?.context("http server")?;
+        client.flush().await.context("flushing the NATS connection")?;
+        info!("aggregator stopped");
+        result.context("change feed")
+    }
+}
+
+/// Runs the feed until `shutdown`. Live, the feed itself stops after the
+/// message in hand (acked). During the bootstrap it does not look at the
+/// shutdown future (it may be waiting minutes for a keyframe), so the
+/// bootstrap is abandoned instead: nothing is acked yet, and whatever a
+/// half-applied snapshot part left is in the dirty set, recomputed at the
+/// next start, which bootstraps again anyway.
+async fn run_feed(
+    feed: &mut ChangeFeed,
+    handler: &mut Aggregator,
+    status: &FeedStatus,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), shelfsync_feed::FeedError> {
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let run = feed.run(handler, async move {
+        let _ = stop_rx.wait_for(|stop| *stop).await;
+    });
+    tokio::pin!(run);
+    tokio::pin!(shutdown);
+    tokio::select! {
+        result = &mut run => result,
+        _ = &mut shutdown => {
+            let _ = stop_tx.send(true);
+            if status.bootstrapped.load(Ordering::SeqCst) {
+                run.await
+            } else {
+                info!("stopping during the bootstrap");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Sweeps reloads once the feed reports them complete (a bootstrap that
+/// went live without any further change would otherwise never be swept).
+async fn watch_reloads(aggregator: Aggregator, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(RELOAD_POLL) => {}
+        }
+        if let Err(e) = aggregator.finish_reloads().await {
+            error!(error = %e, "sweeping a reloaded place failed; will retry");
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Http {
+    aggregator: Aggregator,
+    feed: Arc<FeedStatus>,
+    status: Arc<Status>,
+}
+
+/// A master card as JSON.
+#[derive(Debug, Serialize)]
+struct CardJson {
+    region: String,
+    product_id: String,
+    min_price: Option<i64>,
+    offers: u32,
+    cheapest: Option<KeyJson>,
+    currency: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct KeyJson {
+    brand_id: i64,
+    place_id: i64,
+    product_id: String,
+}
+
+impl From<MasterCard> for CardJson {
+    fn from(c: MasterCard) -> Self {
+        CardJson {
+            region: c.region,
+            product_id: c.product_id,
+            min_price: c.min_price,
+            offers: c.offers,
+            cheapest: c.cheapest.map(|k| KeyJson {
+                brand_id: k.brand_id,
+                place_id: k.place_id,
+                product_id: k.product_id,
+            }),
+            currency: c.currency,
+        }
+    }
+}
+
+fn unavailable(e: &dyn std::fmt::Display) -> Response {
+    error!(error = %e, "read failed");
+    (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"error": e.to_string()})))
+        .into_response()
+}
+
+fn router(state: Http) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/cards/{region}/{product}", get(card))
+        .route("/v1/places/{brand}/{place}/categories", get(categories))
+        .with_state(state)
+}
+
+/// Ready once bootstrapped and every reloaded place is swept.
+async fn readyz(State(h): State<Http>) -> (StatusCode, &'static str) {
+    if h.feed.bootstrapped.load(Ordering::SeqCst)
+        && h.status.pending_reloads.load(Ordering::SeqCst) == 0
+    {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "bootstrapping")
+    }
+}
+
+async fn card(
+    State(h): State<Http>,
+    Path((region, product_id)): Path<(String, String)>,
+) -> Response {
+    let id = CardId { region, product_id };
+    match h.aggregator.store().card(&id).await {
+        Ok(Some(c)) if c.offers > 0 => Json(CardJson::from(c)).into_response(),
+        Ok(_) => (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({
+                "error": "no qualifying offer",
+                "region": id.region,
+                "product_id": id.product_id,
+            })),
+        )
+            .into_response(),
+        Err(e) => unavailable(&e),
+    }
+}
+
+async fn categories(State(h): State<Http>, Path((brand, place)): Path<(i64, i64)>) -> Response {
+    match h.aggregator.store().categories((brand, place)).await {
+        Ok(list) => Json(list).into_response(),
+        Err(e) => unavailable(&e),
+    }
+}
+
+/// Prometheus text exposition of the counters.
+async fn metrics(State(h): State<Http>) -> String {
+    let s = &h.status;
+    let f = &h.feed;
+    let rows = [
+        ("aggregator_batches_total", Status::get(&s.batches)),
+        ("aggregator_cards_published_total", Status::get(&s.cards_published)),
+        ("aggregator_category_flips_published_total", Status::get(&s.flips_published)),
+        ("aggregator_stale_versions_total", Status::get(&s.stale_versions)),
+        ("aggregator_forgotten_records_total", Status::get(&s.forgotten)),
+        ("aggregator_pending_reloads", s.pending_reloads.load(Ordering::Relaxed) as u64),
+        ("feed_delivered_total", FeedStatus::get(&f.delivered)),
+        ("feed_duplicates_total", FeedStatus::get(&f.duplicates)),
+        ("feed_drift_repairs_total", FeedStatus::get(&f.drift_repairs)),
+        ("feed_poison_total", FeedStatus::get(&f.poison)),
+        ("feed_position", FeedStatus::get(&f.position)),
+    ];
+    rows.iter().map(|(name, v)| format!("shelfsync_{name} {v}\n")).collect()
+}

@@ -1,0 +1,28 @@
+//! `shelfsync-aggregator`: master cards and the category cache, from the
+//! change stream.
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "shelfsync-aggregator",
+    version,
+    about = "master cards (min price per product and region) and non-empty categories per place"
+)]
+struct Args {
+    /// TOML settings file; SHELFSYNC__SECTION__KEY variables override it.
+    #[arg(long, env = "SHELFSYNC_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let settings = shelfsync_settings::Settings::load(args.config.as_deref())?;
+    let _telemetry = shelfsync_telemetry::init("shelfsync-aggregator", &settings.telemetry)?;
+    shelfsync_aggregator::App::build(settings)
+        .await?
+        .run_until(shelfsync_aggregator::shutdown_signal())
+        .await
+}
