@@ -1,6 +1,7 @@
 //! The ingest service: one poll loop per partner with a `source` and a
-//! `poll_interval`, and an HTTP server for pushed feeds and probes. At most
-//! one import per partner runs at a time, whoever started it.
+//! `poll_interval`, and an HTTP server for pushed feeds, probes and
+//! Prometheus `/metrics`. At most one import per partner runs at a time,
+//! whoever started it.
 
 use std::collections::HashMap;
 use std::future::{Future, IntoFuture};
@@ -79,6 +80,7 @@ impl App {
         let router = axum::Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
+            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
             .route("/v1/partners/{name}/feed", post(push))
             .with_state(self.state.clone());
         let mut wait = stopped.clone();

@@ -5,6 +5,10 @@
 //! The parser thread and the async publisher are joined by a small bounded
 //! channel, and JetStream acks in flight are bounded by the `Publisher`, so
 //! memory does not grow with the feed: a slow NATS slows the parser down.
+//!
+//! One import is one trace: the `ingest.import` span is its root, and each
+//! message goes out in a PRODUCER span `send <subject>` (`ingest.send`)
+//! whose context the message carries to storage.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Read};
@@ -20,6 +24,7 @@ use shelfsync_bus::{
 };
 use shelfsync_proto::{Command, CommandBatch, Rejection, RejectionBatch, Sweep, msg_type};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_telemetry::names;
 use tokio::sync::mpsc;
 use tracing::{Instrument, info, warn};
 
@@ -63,6 +68,7 @@ impl Importer {
         settings: Arc<Settings>,
         retry: bool,
     ) -> anyhow::Result<Importer> {
+        shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-ingest", retry).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         let state = State::connect(&settings.redis)
@@ -308,6 +314,8 @@ impl Run<'_> {
         drop(rx); // a parser still running stops at its next send
         let parsed = parser.await.map_err(|e| ImportError::Internal(e.to_string()))?;
         self.report.bytes_in = bytes_in.load(Ordering::Relaxed);
+        metrics::counter!(names::INGEST_BYTES, "partner" => self.partner.name.clone())
+            .increment(self.report.bytes_in);
         published?;
         self.finish().await?;
         if let Some(callback) = progress {
@@ -326,6 +334,9 @@ impl Run<'_> {
     }
 
     async fn handle(&mut self, events: Vec<Event>) -> Result<(), ImportError> {
+        let items = events.iter().filter(|e| matches!(e, Event::Command(_))).count();
+        metrics::counter!(names::INGEST_ITEMS, "partner" => self.partner.name.clone())
+            .increment(items as u64);
         for event in events {
             match event {
                 Event::Place(place) => {
@@ -365,12 +376,20 @@ impl Run<'_> {
         let payload = Bytes::from(batch.encode_to_vec());
         self.report.bytes_out += payload.len() as u64;
         let subject = self.subjects.cmd(partition);
-        self.publisher.publish(subject, msg_id, msg_type::COMMAND_BATCH, None, payload).await?;
+        let span = shelfsync_telemetry::send_span!(
+            "ingest.send",
+            subject,
+            messaging.message.id = %msg_id,
+            messaging.batch.message_count = batch.commands.len() + batch.sweeps.len(),
+        );
+        let kind = msg_type::COMMAND_BATCH;
+        self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
         Ok(())
     }
 
     /// Rejections go out in batches of one place (0: unknown), in feed order.
     async fn reject(&mut self, place: i64, rejection: Rejection) -> Result<(), ImportError> {
+        metrics::counter!(names::REJECTS, "reason" => rejection.reason.clone()).increment(1);
         *self.report.rejected.entry(rejection.reason.clone()).or_default() += 1;
         self.report.rejected_total += 1;
         if self.rejects.0 != place || self.rejects.1.len() >= REJECTS_PER_BATCH {
@@ -389,9 +408,15 @@ impl Run<'_> {
         let msg_id = format!("{}:rej:{}", self.report.import_id, self.reject_seq);
         self.reject_seq += 1;
         let subject = self.subjects.rejects(self.partner.brand_id, self.rejects.0);
+        let span = shelfsync_telemetry::send_span!(
+            "ingest.send",
+            subject,
+            messaging.message.id = %msg_id,
+            messaging.batch.message_count = rejections.len(),
+        );
         let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
         let kind = msg_type::REJECTION_BATCH;
-        self.publisher.publish(subject, msg_id, kind, None, payload).await?;
+        self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
         Ok(())
     }
 

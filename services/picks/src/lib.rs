@@ -4,6 +4,7 @@
 //! and serves them deepest discount first:
 //!
 //! `GET /v1/picks/{brand}/{place}` → `[{"product_id", "title", "price", "old_price", "discount_pct"}]`
+//! (and `/healthz`, `/readyz`, Prometheus `/metrics`)
 //!
 //! Everything it knows comes from the change stream; it keeps no state of
 //! its own (the kit bootstraps it from a keyframe at every start).
@@ -103,6 +104,7 @@ struct Http {
 fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
         .route(
             "/readyz",
             get(|State(h): State<Http>| async move {

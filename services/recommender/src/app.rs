@@ -42,6 +42,7 @@ fn feed_name() -> String {
 impl App {
     /// Connects to NATS and binds the HTTP listener; starts nothing yet.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        crate::http::describe_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-recommender", true)
             .await
             .with_context(|| format!("cannot connect to NATS at {}", settings.nats.url))?;

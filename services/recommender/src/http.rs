@@ -1,7 +1,7 @@
-//! The HTTP API (axum): top-N queries as JSON, health, readiness and
-//! Prometheus counters. Thin: parsing and answers live in `query`.
+//! The HTTP API (axum): top-N queries as JSON, health, readiness and the
+//! shared Prometheus `/metrics` (shelfsync-telemetry). Thin: parsing and
+//! answers live in `query`.
 
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use axum::extract::{Path, Query, State};
@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use metrics::{counter, describe_counter, describe_gauge, gauge};
 use serde_json::json;
 use shelfsync_feed::FeedStatus;
 
@@ -52,6 +53,13 @@ async fn top(
     }
 }
 
+/// Serialises the "set this instance's values, render" of `/metrics`: the
+/// recorder is process-wide, and tests run several recommenders at once.
+static SCRAPE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The process's Prometheus metrics (the feed kit's lag, freshness and drift
+/// repairs among them), with this instance's gauges and counters brought up
+/// to date first.
 async fn metrics(State(api): State<Api>) -> String {
     let (offers, places) = {
         let index = api.index().read();
@@ -59,54 +67,39 @@ async fn metrics(State(api): State<Api>) -> String {
     };
     let feed = api.feed();
     let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let mut out = String::new();
-    let mut line = |name: &str, kind: &str, help: &str, value: String| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-    };
-    line("recommender_ready", "gauge", "1 once bootstrapped", u8::from(api.ready()).to_string());
-    line("recommender_offers", "gauge", "Offers in the index", offers.to_string());
-    line("recommender_places", "gauge", "Places with an offer", places.to_string());
-    line(
-        "recommender_http_queries_total",
-        "counter",
-        "HTTP top-N queries",
-        c(&api.stats.http).to_string(),
-    );
-    line(
-        "recommender_nats_queries_total",
-        "counter",
-        "NATS top-N queries",
-        c(&api.stats.nats).to_string(),
-    );
-    line(
+    let _one_at_a_time = SCRAPE.lock().unwrap_or_else(|e| e.into_inner());
+    gauge!("recommender_ready").set(f64::from(u8::from(api.ready())));
+    gauge!("recommender_offers").set(offers as f64);
+    gauge!("recommender_places").set(places as f64);
+    gauge!("recommender_feed_position").set(FeedStatus::get(&feed.position) as f64);
+    // The query counters are bumped by both transports on the shared stats;
+    // they are published as counters at their current totals.
+    counter!("recommender_http_queries_total").absolute(c(&api.stats.http));
+    counter!("recommender_nats_queries_total").absolute(c(&api.stats.nats));
+    counter!("recommender_rejected_queries_total").absolute(c(&api.stats.rejected));
+    counter!("recommender_feed_delivered_total").absolute(FeedStatus::get(&feed.delivered));
+    counter!("recommender_feed_drift_repairs_total").absolute(FeedStatus::get(&feed.drift_repairs));
+    counter!("recommender_feed_poison_total").absolute(FeedStatus::get(&feed.poison));
+    shelfsync_telemetry::render_metrics()
+}
+
+/// Help texts of the recommender's own metrics.
+pub(crate) fn describe_metrics() {
+    shelfsync_telemetry::install_metrics();
+    describe_gauge!("recommender_ready", "1 once bootstrapped");
+    describe_gauge!("recommender_offers", "Offers in the index");
+    describe_gauge!("recommender_places", "Places with an offer");
+    describe_gauge!("recommender_feed_position", "CHANGES stream sequence last handled");
+    describe_counter!("recommender_http_queries_total", "HTTP top-N queries");
+    describe_counter!("recommender_nats_queries_total", "NATS top-N queries");
+    describe_counter!(
         "recommender_rejected_queries_total",
-        "counter",
-        "Queries refused (bad input, not ready)",
-        c(&api.stats.rejected).to_string(),
+        "Queries refused (bad input, not ready)"
     );
-    line(
-        "recommender_feed_delivered_total",
-        "counter",
-        "Record versions applied",
-        FeedStatus::get(&feed.delivered).to_string(),
-    );
-    line(
+    describe_counter!("recommender_feed_delivered_total", "Record versions applied");
+    describe_counter!(
         "recommender_feed_drift_repairs_total",
-        "counter",
-        "Places reloaded after a digest mismatch",
-        FeedStatus::get(&feed.drift_repairs).to_string(),
+        "Places reloaded after a digest mismatch"
     );
-    line(
-        "recommender_feed_poison_total",
-        "counter",
-        "Change messages dropped as undecodable",
-        FeedStatus::get(&feed.poison).to_string(),
-    );
-    line(
-        "recommender_feed_position",
-        "gauge",
-        "CHANGES stream sequence last handled",
-        FeedStatus::get(&feed.position).to_string(),
-    );
-    out
+    describe_counter!("recommender_feed_poison_total", "Change messages dropped as undecodable");
 }

@@ -1,10 +1,17 @@
 //! Builds storage from settings and runs it until told to stop: one worker
-//! per owned partition, the keyframe schedule, the keyframe control subject
-//! and the read API (NATS and HTTP).
+//! per owned partition, the keyframe schedule, the keyframe control subject,
+//! the read API (NATS and HTTP, with `/healthz`, `/readyz`, `/metrics`) and
+//! the sampling of the lag and outbox gauges.
+//!
+//! Graceful shutdown (SIGTERM): `/readyz` turns 503, the workers stop
+//! pulling and finish (commit, relay, ack) the message in hand, within a
+//! grace period; then the read API stops and the NATS connection is flushed
+//! and drained. The caller's telemetry guard flushes the spans.
 
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
@@ -12,14 +19,21 @@ use prost::Message;
 use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
 use shelfsync_proto::{KeyframeReply, KeyframeRequest};
 use shelfsync_settings::Settings;
+use shelfsync_telemetry::names;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
 use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
 use crate::read::ReadApi;
-use crate::stats::Stats;
+use crate::stats::{Readiness, Stats};
 use crate::store::Store;
 use crate::worker::Worker;
+
+/// How long the workers may take to finish the messages in hand once
+/// shutdown starts (below Kubernetes' default 30 s grace period).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
+/// How often the consumer lag and outbox depth gauges are sampled.
+const GAUGE_EVERY: Duration = Duration::from_secs(5);
 
 pub struct App {
     settings: Arc<Settings>,
@@ -27,6 +41,7 @@ pub struct App {
     js: async_nats::jetstream::Context,
     store: Store,
     stats: Arc<Stats>,
+    ready: Arc<Readiness>,
     http: tokio::net::TcpListener,
 }
 
@@ -84,6 +99,7 @@ impl App {
     /// Connects to NATS and Redis, makes sure the streams exist and binds
     /// the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-storage", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         shelfsync_bus::provision(&js, &settings).await?;
@@ -93,11 +109,25 @@ impl App {
         let http = tokio::net::TcpListener::bind(&settings.storage.http_listen)
             .await
             .with_context(|| format!("cannot listen on {}", settings.storage.http_listen))?;
-        Ok(App { settings: Arc::new(settings), client, js, store, stats: Arc::default(), http })
+        Ok(App {
+            settings: Arc::new(settings),
+            client,
+            js,
+            store,
+            stats: Arc::default(),
+            ready: Arc::default(),
+            http,
+        })
     }
 
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
+    }
+
+    /// Ready once every owned partition's consumer is bound, until
+    /// shutdown starts (what `/readyz` says, Redis aside).
+    pub fn readiness(&self) -> Arc<Readiness> {
+        self.ready.clone()
     }
 
     /// Where the HTTP read API listens (useful with port 0).
@@ -106,7 +136,8 @@ impl App {
     }
 
     /// Runs every owned partition until `shutdown` resolves, then lets each
-    /// worker finish the message in hand and flushes the connection.
+    /// worker finish the message in hand (within a grace period), stops the
+    /// read API and flushes and drains the connection.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let max_payload = self.client.server_info().max_payload;
         let max_bytes = max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
@@ -120,6 +151,10 @@ impl App {
         );
         let subjects = Subjects::new(&self.settings.nats.prefix);
         let (stop_tx, stop_rx) = watch::channel(false);
+        // The read API and probes outlive the workers: `/readyz` says 503
+        // while they drain.
+        let (serve_stop_tx, serve_stop_rx) = watch::channel(false);
+        self.ready.expect(owned.len());
         let mut tasks = tokio::task::JoinSet::new();
         let mut keyframer = Keyframer {
             js: self.js.clone(),
@@ -128,7 +163,7 @@ impl App {
             partitions: self.settings.storage.partitions,
             workers: Vec::new(),
         };
-        for p in owned {
+        for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
             let worker = Worker {
@@ -139,6 +174,7 @@ impl App {
                 store: self.store.clone(),
                 stats: self.stats.clone(),
                 max_bytes,
+                ready: self.ready.clone(),
             };
             let rx = stop_rx.clone();
             tasks.spawn(async move {
@@ -158,31 +194,98 @@ impl App {
             keyframer,
             stop_rx.clone(),
         ));
-        let read = ReadApi::new(self.store.clone(), self.settings.clone(), self.stats.clone());
-        side.spawn(read.clone().serve_nats(self.client.clone(), subjects, stop_rx.clone()));
-        side.spawn(read.serve_http(self.http, stop_rx.clone()));
+        side.spawn(sample_gauges(
+            self.js.clone(),
+            self.store.clone(),
+            subjects.clone(),
+            owned,
+            serve_stop_rx.clone(),
+        ));
+        let read = ReadApi::new(self.store.clone(), self.settings.clone(), self.stats.clone())
+            .with_readiness(self.ready.clone());
+        side.spawn(read.clone().serve_nats(self.client.clone(), subjects, serve_stop_rx.clone()));
+        side.spawn(read.serve_http(self.http, serve_stop_rx));
 
         tokio::select! {
             _ = shutdown => info!("shutting down: finishing messages in hand"),
             Some(res) = tasks.join_next() => {
                 // A worker ended on its own: stop the rest and report why.
+                self.ready.drain();
                 let _ = stop_tx.send(true);
+                let _ = serve_stop_tx.send(true);
                 while tasks.join_next().await.is_some() {}
                 side.shutdown().await;
                 res??;
                 anyhow::bail!("a partition worker stopped unexpectedly");
             }
         }
+        self.ready.drain();
         let _ = stop_tx.send(true);
-        while let Some(res) = tasks.join_next().await {
-            if let Err(e) = res {
-                error!(error = %e, "partition worker panicked");
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while let Some(res) = tasks.join_next().await {
+                if let Err(e) = res {
+                    error!(error = %e, "partition worker panicked");
+                }
             }
+        })
+        .await;
+        if drained.is_err() {
+            // Unacked messages are redelivered to the next owner; committed
+            // outboxes are relayed by it.
+            warn!(grace = ?SHUTDOWN_GRACE, "workers still busy after the grace period: cut off");
+            tasks.shutdown().await;
         }
+        let _ = serve_stop_tx.send(true);
+        // Let the HTTP and NATS read servers finish their requests.
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while side.join_next().await.is_some() {}
+        })
+        .await;
         side.shutdown().await;
-        self.client.flush().await.ok();
+        // Acks and publishes on the wire, then subscriptions drained and
+        // the connection closed.
+        if let Err(e) = self.client.flush().await {
+            warn!(error = %e, "cannot flush the NATS connection");
+        }
+        if let Err(e) = self.client.drain().await {
+            warn!(error = %e, "cannot drain the NATS connection");
+        }
         info!("storage stopped");
         Ok(())
+    }
+}
+
+/// Samples `shelfsync_consumer_lag{consumer}` (messages the partition
+/// consumers have not received yet) and `shelfsync_outbox_depth` every few
+/// seconds until `stop` flips.
+async fn sample_gauges(
+    js: async_nats::jetstream::Context,
+    store: Store,
+    subjects: Subjects,
+    owned: Vec<u32>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(GAUGE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        if let Ok(stream) = js.get_stream(subjects.cmd_stream()).await {
+            for &p in &owned {
+                let name = subjects.storage_consumer(Partition(p));
+                if let Ok(info) = stream.consumer_info(&name).await {
+                    metrics::gauge!(names::CONSUMER_LAG, "consumer" => name)
+                        .set(info.num_pending as f64);
+                }
+            }
+        }
+        let mut depth = 0u64;
+        for &p in &owned {
+            depth += store.outbox_len(p).await.unwrap_or(0);
+        }
+        metrics::gauge!(names::OUTBOX_DEPTH).set(depth as f64);
     }
 }
 

@@ -256,8 +256,12 @@ impl Worker {
             batch.keyframe_id, batch.brand_id, batch.place_id, batch.as_of, batch.part
         );
         if batch.part == 0 {
+            // As the publisher does: the message carries the trace context.
+            let mut headers = async_nats::HeaderMap::new();
+            shelfsync_telemetry::inject(&mut headers);
             let msg = async_nats::jetstream::message::PublishMessage::build()
                 .payload(batch.encode_to_vec().into())
+                .headers(headers)
                 .message_id(&id)
                 .header(shelfsync_bus::TYPE_HEADER, msg_type::KEYFRAME_BATCH);
             let ack = self.js.send_publish(subject.to_string(), msg).await?.await?;

@@ -9,7 +9,9 @@
 //! - `GET  /v1/places/{brand}/{place}/records?after=ID&limit=N` → `{records, next_after}`
 //!   (product id order; `next_after` is null on the last page)
 //! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
-//! - `GET  /healthz`, `GET /readyz`
+//! - `GET  /healthz` (200 while the process runs), `GET /readyz` (503 until
+//!   every owned partition's consumer is bound, while draining on shutdown,
+//!   and when Redis does not answer), `GET /metrics` (Prometheus)
 //!
 //! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
 //! get a 400 (or a `ReadReply.error`) that says what is wrong.
@@ -59,6 +61,7 @@ pub struct ReadApi {
     store: Store,
     settings: Arc<Settings>,
     stats: Arc<crate::Stats>,
+    ready: Option<Arc<crate::stats::Readiness>>,
 }
 
 fn check_product_id(id: &str) -> Result<(), ReadError> {
@@ -73,7 +76,13 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 
 impl ReadApi {
     pub fn new(store: Store, settings: Arc<Settings>, stats: Arc<crate::Stats>) -> Self {
-        Self { store, settings, stats }
+        Self { store, settings, stats, ready: None }
+    }
+
+    /// `/readyz` also follows the workers' readiness.
+    pub fn with_readiness(mut self, ready: Arc<crate::stats::Readiness>) -> Self {
+        self.ready = Some(ready);
+        self
     }
 
     fn partitions(&self) -> u32 {
@@ -226,6 +235,7 @@ impl ReadApi {
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
+            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
             .route(
                 "/v1/stats",
                 get(|State(api): State<ReadApi>| async move { Json(api.stats.to_json()) }),
@@ -261,6 +271,9 @@ fn parse_key(brand: &str, place: &str) -> Result<(i64, i64), ReadError> {
 }
 
 async fn readyz(State(api): State<ReadApi>) -> StatusCode {
+    if api.ready.as_ref().is_some_and(|r| !r.is_ready()) {
+        return StatusCode::SERVICE_UNAVAILABLE;
+    }
     let mut conn = api.store.conn();
     let pong: Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
     if pong.is_ok() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }

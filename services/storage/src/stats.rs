@@ -1,6 +1,36 @@
-//! Counters of the storage process, read by tests, the CLI and metrics.
+//! Counters of the storage process, read by tests, the CLI and metrics
+//! (the Prometheus ones are recorded next to them), and its readiness.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// Ready once every owned partition's consumer is bound, until shutdown
+/// starts (`/readyz`).
+#[derive(Debug, Default)]
+pub struct Readiness {
+    want: AtomicUsize,
+    bound: AtomicUsize,
+    draining: AtomicBool,
+}
+
+impl Readiness {
+    /// `workers` partition workers will report as bound.
+    pub fn expect(&self, workers: usize) {
+        self.want.store(workers, Ordering::SeqCst);
+    }
+    pub fn worker_bound(&self) {
+        self.bound.fetch_add(1, Ordering::SeqCst);
+    }
+    /// Shutdown started: not ready any more.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+    pub fn is_ready(&self) -> bool {
+        !self.is_draining() && self.bound.load(Ordering::SeqCst) >= self.want.load(Ordering::SeqCst)
+    }
+}
 
 #[derive(Debug, Default)]
 pub struct Stats {
@@ -58,5 +88,23 @@ impl Stats {
     }
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_once_every_worker_is_bound_and_not_while_draining() {
+        let r = Readiness::default();
+        r.expect(2);
+        assert!(!r.is_ready());
+        r.worker_bound();
+        assert!(!r.is_ready());
+        r.worker_bound();
+        assert!(r.is_ready());
+        r.drain();
+        assert!(!r.is_ready() && r.is_draining());
     }
 }

@@ -9,10 +9,17 @@
 //! to be skipped as already applied (its sequence is at or below the stored
 //! one); a re-published outbox entry is dropped by JetStream's duplicate
 //! window (deterministic `Nats-Msg-Id`).
+//!
+//! Tracing: each command message is handled in a CONSUMER span
+//! `process <subject>` (`storage.apply_batch`) whose parent is the context
+//! in the message's headers; that span's context is kept in the outbox
+//! entries, and each entry is published in a PRODUCER span `send <subject>`
+//! (`storage.relay`) under it, so the changes continue the import's trace
+//! even when they are relayed after a restart.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
@@ -20,13 +27,14 @@ use prost::Message;
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
 use shelfsync_settings::Settings;
+use shelfsync_telemetry::names;
 use tokio::sync::{mpsc, watch};
-use tracing::{Instrument, debug, error, info_span, warn};
+use tracing::{Instrument, debug, error, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
 use crate::keyframe::KeyframeJob;
-use crate::stats::Stats;
+use crate::stats::{Readiness, Stats};
 use crate::store::{Commit, Store, StoreError};
 
 /// Outbox entries relayed per round trip.
@@ -36,6 +44,8 @@ const RELAY_CHUNK: usize = 256;
 const MAX_FAILED_DELIVERIES: u64 = 5;
 /// Raw bytes kept in a dead-letter rejection.
 const MAX_RAW: usize = 128 * 1024;
+/// How long a stopping worker waits for a message already on its way.
+const HANDBACK_WAIT: Duration = Duration::from_millis(100);
 
 pub struct Worker {
     pub partition: Partition,
@@ -46,6 +56,15 @@ pub struct Worker {
     pub stats: Arc<Stats>,
     /// Largest payload to publish (server max payload minus headroom).
     pub max_bytes: usize,
+    /// Told when this worker's consumer is bound (readiness).
+    pub ready: Arc<Readiness>,
+}
+
+/// W3C trace context kept with outbox entries.
+#[derive(Debug, Clone, Default)]
+struct TraceParts {
+    traceparent: String,
+    tracestate: String,
 }
 
 /// One place waiting for its keyframe in this worker.
@@ -107,15 +126,24 @@ impl Worker {
         let consumer = self.consumer().await?;
         let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
         // Whatever a previous owner committed but did not publish goes first.
-        self.relay_until_done(&mut publisher, &mut shutdown).await;
+        {
+            let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
+            self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
+        }
         let mut messages = consumer.messages().await?;
+        self.ready.worker_bound();
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
+        // Its own receiver: one the handlers wait on could miss the change.
+        let mut stop = shutdown.clone();
         loop {
+            if *stop.borrow() {
+                break;
+            }
             tokio::select! {
                 biased;
-                _ = shutdown.changed() => break,
+                _ = stopped(&mut stop) => break,
                 next = messages.next() => {
                     let Some(next) = next else { break };
                     let msg = match next {
@@ -136,6 +164,18 @@ impl Worker {
                 }
                 _ = purge.tick() => self.purge().await,
             }
+        }
+        // Stop pulling. With one message unacked at most, the next one may be
+        // on its way already: catch it, unsubscribe, then hand it back (nak)
+        // so that the next owner gets it at once instead of after the ack
+        // wait. Naked before unsubscribing, it would come back to us.
+        let held = match tokio::time::timeout(HANDBACK_WAIT, messages.next()).await {
+            Ok(Some(Ok(msg))) => Some(msg),
+            _ => None,
+        };
+        drop(messages);
+        if let Some(msg) = held {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
         }
         Ok(())
     }
@@ -172,8 +212,16 @@ impl Worker {
 
     async fn run_snapshot(&self, s: PlaceSnapshot, publisher: &mut Publisher) {
         let started = std::time::Instant::now();
+        let span = tracing::info_span!(
+            "storage.keyframe_place",
+            partition = self.partition.0,
+            keyframe_id = %s.keyframe_id,
+            brand_id = s.brand_id,
+            place_id = s.place_id,
+        );
         match self
             .snapshot_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
+            .instrument(span)
             .await
         {
             Ok(records) => s.progress.place_done(records),
@@ -188,6 +236,7 @@ impl Worker {
             }
         }
         self.stats.observe_keyframe_place(started.elapsed());
+        metrics::histogram!(names::KEYFRAME_SECONDS).record(started.elapsed().as_secs_f64());
         if s.last_of_job {
             s.progress.worker_done(None).await;
         }
@@ -206,14 +255,22 @@ impl Worker {
                 return;
             }
         };
-        let span = info_span!(
+        let span = shelfsync_telemetry::process_span!(
             "storage.apply_batch",
+            msg.subject,
+            self.subjects.storage_consumer(self.partition),
             partition = self.partition.0,
             command_seq = seq,
             delivered,
-            batch.size = tracing::field::Empty
+            batch.size = tracing::field::Empty,
         );
+        shelfsync_telemetry::set_parent(
+            &span,
+            shelfsync_telemetry::extract_opt(msg.headers.as_ref()),
+        );
+        let started = Instant::now();
         let result = self.handle(&msg, seq, delivered, publisher, shutdown).instrument(span).await;
+        metrics::histogram!(names::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
         match result {
             Ok(handled) => {
                 failpoint::hit("after_publish");
@@ -252,6 +309,7 @@ impl Worker {
         publisher: &mut Publisher,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
+        let trace = outbox_trace(msg);
         let batch = match shelfsync_proto::CommandBatch::decode(msg.payload.as_ref()) {
             Ok(b) => b,
             Err(e) => {
@@ -262,14 +320,17 @@ impl Worker {
                         reason::UNDECODABLE,
                         detail,
                         &msg.payload,
+                        &trace,
                         publisher,
                         shutdown,
                     )
                     .await;
             }
         };
-        tracing::Span::current().record("batch.size", batch.commands.len());
-        match self.apply_and_commit(seq, &batch).await {
+        let span = tracing::Span::current();
+        span.record("batch.size", batch.commands.len());
+        span.record("messaging.batch.message_count", batch.commands.len() + batch.sweeps.len());
+        match self.apply_and_commit(seq, &batch, &trace).await {
             Ok(Handled::Skipped) => {
                 // Published or not, a committed outbox is drained before the ack.
                 self.relay(publisher).await.map_err(HandleError::Relay)?;
@@ -283,8 +344,16 @@ impl Worker {
             Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e.into()),
             Err(e) => {
                 let detail = format!("failed {delivered} times: {e}");
-                self.dead_letter(seq, reason::FAILED, detail, &msg.payload, publisher, shutdown)
-                    .await
+                self.dead_letter(
+                    seq,
+                    reason::FAILED,
+                    detail,
+                    &msg.payload,
+                    &trace,
+                    publisher,
+                    shutdown,
+                )
+                .await
             }
         }
     }
@@ -293,6 +362,7 @@ impl Worker {
         &self,
         seq: u64,
         batch: &shelfsync_proto::CommandBatch,
+        trace: &TraceParts,
     ) -> Result<Handled, StoreError> {
         // A fence means another writer advanced the partition: reload and
         // look again (the sequence check then usually says "already done").
@@ -310,7 +380,8 @@ impl Worker {
             };
             let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
             let n_changes = outcome.changes.len() as u64;
-            let outbox = self.outbox_entries(seq, outcome.changes, outcome.rejections.clone());
+            let outbox =
+                self.outbox_entries(seq, outcome.changes, outcome.rejections.clone(), trace);
             failpoint::hit("before_commit");
             match self
                 .store
@@ -326,6 +397,8 @@ impl Worker {
                     s.add(&s.unchanged, outcome.unchanged);
                     s.add(&s.rejected, outcome.rejections.len() as u64);
                     s.add(&s.sweeps, batch.sweeps.len() as u64);
+                    record_applied(batch, outcome.applied, outcome.unchanged, n_changes);
+                    record_rejections(&outcome.rejections);
                     return Ok(Handled::Applied);
                 }
                 Commit::Fenced => {
@@ -343,12 +416,14 @@ impl Worker {
 
     /// Commits a rejection carrying the raw message and advances the
     /// sequence, so a poison message is recorded once and never blocks.
+    #[allow(clippy::too_many_arguments)]
     async fn dead_letter(
         &self,
         seq: u64,
         why: &str,
         detail: String,
         raw: &[u8],
+        trace: &TraceParts,
         publisher: &mut Publisher,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
@@ -363,11 +438,12 @@ impl Worker {
             raw: raw[..raw.len().min(MAX_RAW)].to_vec(),
             ..Default::default()
         };
-        let outbox = self.outbox_entries(seq, Vec::new(), vec![rejection]);
+        let outbox = self.outbox_entries(seq, Vec::new(), vec![rejection], trace);
         let slots = Default::default();
         match self.store.commit(self.partition.0, applied, seq, &slots, &outbox).await? {
             Commit::Done => {
                 self.stats.add(&self.stats.dead_lettered, 1);
+                metrics::counter!(names::REJECTS, "reason" => why.to_string()).increment(1);
                 self.relay_until_done(publisher, shutdown).await;
                 Ok(Handled::Applied)
             }
@@ -383,6 +459,7 @@ impl Worker {
         seq: u64,
         changes: Vec<Change>,
         rejections: Vec<Rejection>,
+        trace: &TraceParts,
     ) -> Vec<OutboxEntry> {
         let mut out = Vec::new();
         let mut by_place: BTreeMap<(i64, i64), Vec<Change>> = BTreeMap::new();
@@ -405,7 +482,8 @@ impl Worker {
                     msg_id: format!("chg:{}:{seq}:{part}", self.partition),
                     payload: batch.encode_to_vec(),
                     msg_type: msg_type::CHANGE_BATCH.into(),
-                    ..Default::default()
+                    traceparent: trace.traceparent.clone(),
+                    tracestate: trace.tracestate.clone(),
                 });
                 part += 1;
             }
@@ -423,7 +501,8 @@ impl Worker {
                     msg_id: format!("rej:{}:{seq}:{rpart}", self.partition),
                     payload: RejectionBatch { rejections: chunk }.encode_to_vec(),
                     msg_type: msg_type::REJECTION_BATCH.into(),
-                    ..Default::default()
+                    traceparent: trace.traceparent.clone(),
+                    tracestate: trace.tracestate.clone(),
                 });
                 rpart += 1;
             }
@@ -443,19 +522,29 @@ impl Worker {
             if entries.is_empty() {
                 return Ok(total);
             }
-            for e in &entries {
-                let mut headers = async_nats::HeaderMap::new();
-                if !e.traceparent.is_empty() {
-                    headers.insert("traceparent", e.traceparent.as_str());
-                }
+            let contexts: Vec<_> = entries
+                .iter()
+                .map(|e| shelfsync_telemetry::from_parts(&e.traceparent, &e.tracestate))
+                .collect();
+            // Relaying entries of several command messages: link them all.
+            shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
+            for (e, cx) in entries.iter().zip(contexts) {
+                let span = shelfsync_telemetry::send_span!(
+                    "storage.relay",
+                    e.subject,
+                    partition = self.partition.0,
+                );
+                shelfsync_telemetry::set_parent(&span, cx);
+                let headers = relay_headers(&span, e);
                 publisher
                     .publish(
                         e.subject.clone(),
                         e.msg_id.clone(),
                         &e.msg_type,
-                        Some(headers),
+                        headers,
                         e.payload.clone().into(),
                     )
+                    .instrument(span)
                     .await
                     .map_err(|e| e.to_string())?;
             }
@@ -489,9 +578,12 @@ impl Worker {
                 Ok(_) => return,
                 Err(e) => {
                     warn!(partition = %self.partition, error = %e, retry_in = ?delay, "outbox relay failed");
+                    if *shutdown.borrow() {
+                        return;
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.changed() => return,
+                        _ = stopped(shutdown) => return,
                     }
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
@@ -509,6 +601,67 @@ impl Worker {
             }
             Err(e) => warn!(partition = %self.partition, error = %e, "tombstone purge failed"),
         }
+    }
+}
+
+/// Resolves once shutdown is asked (at once if it was already).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// The trace context to keep with the outbox entries of `msg`: the current
+/// (apply) span's, or — tracing not installed — the message's own.
+fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
+    let mut cx = shelfsync_telemetry::current_context();
+    if !shelfsync_telemetry::is_valid(&cx) {
+        cx = shelfsync_telemetry::extract_opt(msg.headers.as_ref());
+    }
+    let (traceparent, tracestate) = shelfsync_telemetry::parts(&cx);
+    TraceParts { traceparent, tracestate }
+}
+
+/// Headers of a relayed entry: `None` lets the publisher inject the relay
+/// span's context; without tracing the stored context is passed on as is.
+fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::HeaderMap> {
+    if e.traceparent.is_empty()
+        || shelfsync_telemetry::is_valid(&shelfsync_telemetry::context_of(span))
+    {
+        return None;
+    }
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(shelfsync_telemetry::TRACEPARENT, e.traceparent.as_str());
+    if !e.tracestate.is_empty() {
+        headers.insert(shelfsync_telemetry::TRACESTATE, e.tracestate.as_str());
+    }
+    Some(headers)
+}
+
+/// Metrics of one committed command message.
+fn record_applied(
+    batch: &shelfsync_proto::CommandBatch,
+    applied: u64,
+    unchanged: u64,
+    changes: u64,
+) {
+    metrics::counter!(names::COMMANDS_APPLIED).increment(applied);
+    metrics::counter!(names::COMMANDS_UNCHANGED).increment(unchanged);
+    metrics::counter!(names::CHANGES_EMITTED).increment(changes);
+    let freshness = metrics::histogram!(names::FRESHNESS_SECONDS, "stage" => "storage");
+    for c in &batch.commands {
+        if let Some(s) =
+            c.origin.as_ref().and_then(|o| shelfsync_telemetry::seconds_since_us(o.published_at))
+        {
+            freshness.record(s);
+        }
+    }
+}
+
+fn record_rejections(rejections: &[Rejection]) {
+    for r in rejections {
+        if r.reason == reason::CONFLICT {
+            metrics::counter!(names::CAS_CONFLICTS).increment(1);
+        }
+        metrics::counter!(names::REJECTS, "reason" => r.reason.clone()).increment(1);
     }
 }
 

@@ -4,7 +4,7 @@
 //! - [`Partition`] / [`partition_of`]: the stable command partitioning;
 //! - [`connect`] and [`provision`]: connection and idempotent stream set-up;
 //! - [`Publisher`]: deduplicated publishing with a bounded number of
-//!   in-flight acks;
+//!   in-flight acks, trace context injected into the headers;
 //! - [`CommandBatcher`]: batching by count (≤ 1000) and bytes (< max payload).
 //!
 //! It knows the wire types but no business rule, and never touches Redis.
@@ -23,6 +23,14 @@ use shelfsync_settings::{NatsSettings, Settings};
 pub use batch::{CommandBatcher, batch_overhead};
 pub use publish::{PublishFailed, Publisher};
 pub use subjects::{Partition, Subjects, partition_of, token};
+
+/// W3C trace context in message headers (re-exported from
+/// `shelfsync_telemetry`): [`Publisher`] injects it, consumers extract it.
+pub mod trace {
+    pub use shelfsync_telemetry::{
+        TRACEPARENT, TRACESTATE, extract, extract_opt, from_parts, inject, inject_context, parts,
+    };
+}
 
 /// Header carrying the protobuf message type of a payload.
 pub const TYPE_HEADER: &str = "Shelfsync-Type";

@@ -2,7 +2,7 @@
 //!
 //! Every message carries a deterministic `Nats-Msg-Id`, so a retry after a
 //! lost ack is dropped by the stream's duplicate window instead of stored
-//! twice.
+//! twice, and the W3C trace context of the span it is published in.
 
 use std::collections::VecDeque;
 
@@ -61,7 +61,8 @@ impl Publisher {
 
     /// Sends one message; returns once it is on the wire and the in-flight
     /// window has room. Errors of earlier messages surface here or in
-    /// [`Publisher::flush`].
+    /// [`Publisher::flush`]. Unless `headers` carry a `traceparent`, the
+    /// current span's W3C trace context is added to them.
     pub async fn publish(
         &mut self,
         subject: String,
@@ -73,10 +74,16 @@ impl Publisher {
         while self.inflight.len() >= self.max_inflight {
             self.await_oldest().await?;
         }
+        let mut headers = headers.unwrap_or_default();
+        // Every message continues the trace it is sent in, unless the
+        // caller set a context of its own.
+        if headers.get(shelfsync_telemetry::TRACEPARENT).is_none() {
+            shelfsync_telemetry::inject(&mut headers);
+        }
         // `headers()` replaces the whole map: set it first, then the id.
         let msg = PublishMessage::build()
             .payload(payload)
-            .headers(headers.unwrap_or_default())
+            .headers(headers)
             .message_id(&msg_id)
             .header(TYPE_HEADER, msg_type);
         let ack = self.js.send_publish(subject.clone(), msg).await;

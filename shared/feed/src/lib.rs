@@ -15,7 +15,12 @@
 //! - **acks after** the handler succeeded; a [`HandlerError::Transient`]
 //!   naks with a delay, a [`HandlerError::Poison`] terminates the message;
 //! - stops cleanly when the shutdown future resolves (the batch in hand is
-//!   finished and acked).
+//!   finished and acked);
+//! - **traces and measures**: each change message is handled in a CONSUMER
+//!   span `process <subject>` (`feed.process`) continuing the trace in its
+//!   headers, and feeds `shelfsync_freshness_seconds{stage="consumer"}`,
+//!   `shelfsync_consumer_lag{consumer}` and
+//!   `shelfsync_feed_drift_repairs_total`.
 //!
 //! Modules: `state` (pure bookkeeping), `keyframes` (reading snapshots back),
 //! `update` (typed access). It never touches Redis.
@@ -30,17 +35,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use shelfsync_telemetry::names;
+
 use async_nats::jetstream::{self, AckKind, consumer};
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::ChangeBatch;
 use shelfsync_settings::Settings;
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, info, warn};
 
 pub use keyframes::KeyframeReader;
 pub use state::{Check, FeedState, Place};
 pub use update::{Update, UpdateKind, is_live, is_offered, is_visible, product_of, state_of};
+
+/// How often the consumer's lag is sampled.
+const LAG_EVERY: Duration = Duration::from_secs(5);
 
 /// Why the feed stopped.
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +165,7 @@ pub struct ChangeFeed {
 
 impl ChangeFeed {
     pub fn new(client: async_nats::Client, settings: &Settings, cfg: FeedConfig) -> Self {
+        shelfsync_telemetry::install_metrics();
         Self {
             js: shelfsync_bus::jetstream(client.clone(), &settings.nats),
             client,
@@ -183,7 +194,7 @@ impl ChangeFeed {
             Bootstrap::Keyframe if !resuming => Some(self.bootstrap(handler).await?),
             _ => None,
         };
-        let consumer = self.consumer(start).await?;
+        let mut consumer = self.consumer(start).await?;
         self.status.bootstrapped.store(true, Ordering::SeqCst);
         info!(
             feed = %self.cfg.name,
@@ -195,9 +206,19 @@ impl ChangeFeed {
         let mut messages =
             consumer.messages().await.map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
         tokio::pin!(shutdown);
+        let mut lag = tokio::time::interval(LAG_EVERY);
+        lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let msg = tokio::select! {
                 _ = &mut shutdown => break,
+                _ = lag.tick() => {
+                    // Messages the stream holds for this consumer, not yet delivered.
+                    if let Ok(info) = consumer.info().await {
+                        metrics::gauge!(names::CONSUMER_LAG, "consumer" => self.cfg.name.clone())
+                            .set(info.num_pending as f64);
+                    }
+                    continue;
+                }
                 m = messages.next() => match m {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
@@ -314,7 +335,16 @@ impl ChangeFeed {
         if let Ok(info) = msg.info() {
             self.status.position.store(info.stream_sequence, Ordering::Relaxed);
         }
-        let span = info_span!("feed.process", feed = %self.cfg.name, subject = %msg.subject);
+        let span = shelfsync_telemetry::process_span!(
+            "feed.process",
+            msg.subject,
+            self.cfg.name,
+            feed = %self.cfg.name,
+        );
+        shelfsync_telemetry::set_parent(
+            &span,
+            shelfsync_telemetry::extract_opt(msg.headers.as_ref()),
+        );
         let result = self.handle_inner(&msg, handler).instrument(span).await;
         let ack = match result {
             Ok(()) => msg.ack().await,
@@ -340,6 +370,7 @@ impl ChangeFeed {
     ) -> Result<(), HandlerError> {
         let batch = ChangeBatch::decode(msg.payload.as_ref())
             .map_err(|e| HandlerError::Poison(format!("not a ChangeBatch: {e}")))?;
+        tracing::Span::current().record("messaging.batch.message_count", batch.changes.len());
         if let Some(mark) = &batch.keyframe {
             let Some(place) = place_of_subject(&msg.subject) else {
                 return Err(HandlerError::Poison(format!("bad change subject {}", msg.subject)));
@@ -377,8 +408,16 @@ impl ChangeFeed {
             return Ok(());
         }
         handler.apply(&updates).await?;
+        let freshness = metrics::histogram!(names::FRESHNESS_SECONDS, "stage" => "consumer");
         for u in &updates {
             self.state.record(u.place(), &u.key.product_id, u.after.updated_at, u.after.deleted);
+            if let Some(s) = u
+                .origin
+                .as_ref()
+                .and_then(|o| shelfsync_telemetry::seconds_since_us(o.published_at))
+            {
+                freshness.record(s);
+            }
         }
         self.status.delivered.fetch_add(updates.len() as u64, Ordering::Relaxed);
         Ok(())
@@ -403,6 +442,7 @@ impl ChangeFeed {
         }
         self.load_keyframe(&reader, &latest, handler).await.map_err(|e| transient(&e))?;
         self.status.drift_repairs.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(names::FEED_DRIFT_REPAIRS).increment(1);
         Ok(())
     }
 }
