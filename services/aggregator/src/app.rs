@@ -270,9 +270,10 @@ async fn metrics(State(h): State<Http>) -> String {
         ("aggregator_pending_reloads", s.pending_reloads.load(Ordering::Relaxed) as u64),
         ("feed_delivered_total", FeedStatus::get(&f.delivered)),
         ("feed_duplicates_total", FeedStatus::get(&f.duplicates)),
-        ("feed_drift_repairs_total", FeedStatus::get(&f.drift_repairs)),
         ("feed_poison_total", FeedStatus::get(&f.poison)),
         ("feed_position", FeedStatus::get(&f.position)),
     ];
-    rows.iter().map(|(name, v)| format!("shelfsync_{name} {v}\n")).collect()
+    let own: String = rows.iter().map(|(name, v)| format!("shelfsync_{name} {v}\n")).collect();
+    // Plus the shared registry: the feed kit's lag and freshness histograms.
+    own + &shelfsync_telemetry::render_metrics()
 }

@@ -138,6 +138,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 fn router(status: Arc<FeedStatus>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
         .route(
             "/readyz",
             get(|State(status): State<Arc<FeedStatus>>| async move {

@@ -118,20 +118,24 @@ impl Validator {
         let transient = |e: shelfsync_bus::PublishFailed| HandlerError::Transient(e.to_string());
         for (partition, batch) in batches {
             let id = batch_id(&batch.commands);
+            let subject = self.subjects.cmd(partition);
+            let span = shelfsync_telemetry::send_span!(
+                "validator.send",
+                subject,
+                messaging.batch.message_count = batch.commands.len()
+            );
             self.publisher
-                .publish(
-                    self.subjects.cmd(partition),
-                    id,
-                    msg_type::COMMAND_BATCH,
-                    None,
-                    batch.encode_to_vec().into(),
-                )
+                .publish(subject, id, msg_type::COMMAND_BATCH, None, batch.encode_to_vec().into())
+                .instrument(span)
                 .await
                 .map_err(transient)?;
         }
         self.publisher.flush().await.map_err(transient)?;
         self.stats.hides.fetch_add(hides, Ordering::Relaxed);
         self.stats.unhides.fetch_add(unhides, Ordering::Relaxed);
+        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "hide").increment(hides);
+        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "unhide")
+            .increment(unhides);
         self.stats.duplicates.fetch_add(self.publisher.duplicates - before, Ordering::Relaxed);
         Ok(())
     }
