@@ -189,9 +189,14 @@ impl ChangeFeed {
         handler: &mut H,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), FeedError> {
+        tokio::pin!(shutdown);
         let resuming = self.status.bootstrapped.load(Ordering::SeqCst);
         let start = match self.cfg.bootstrap {
-            Bootstrap::Keyframe if !resuming => Some(self.bootstrap(handler).await?),
+            // A bootstrap can wait long for a keyframe: a shutdown ends it.
+            Bootstrap::Keyframe if !resuming => tokio::select! {
+                start = self.bootstrap(handler) => Some(start?),
+                _ = &mut shutdown => return Ok(()),
+            },
             _ => None,
         };
         let mut consumer = self.consumer(start).await?;
@@ -205,7 +210,6 @@ impl ChangeFeed {
         );
         let mut messages =
             consumer.messages().await.map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
-        tokio::pin!(shutdown);
         let mut lag = tokio::time::interval(LAG_EVERY);
         lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
