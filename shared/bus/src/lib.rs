@@ -75,6 +75,15 @@ pub async fn connect(
     if let Some(token) = &cfg.token {
         opts = opts.token(token.clone());
     }
+    if cfg.tls_required || cfg.tls_ca_file.is_some() {
+        opts = opts.require_tls(true);
+    }
+    if let Some(ca) = &cfg.tls_ca_file {
+        opts = opts.add_root_certificates(ca.into());
+    }
+    if let (Some(cert), Some(key)) = (&cfg.tls_cert_file, &cfg.tls_key_file) {
+        opts = opts.add_client_certificate(cert.into(), key.into());
+    }
     let urls = cfg.urls();
     opts.connect(urls.as_slice())
         .await

@@ -167,6 +167,14 @@ pub struct NatsSettings {
     pub token: Option<String>,
     /// A `.creds` file (NKey + JWT).
     pub credentials_file: Option<String>,
+    /// Require TLS to the server (also implied by `tls_ca_file` or a
+    /// `tls://` URL).
+    pub tls_required: bool,
+    /// CA certificate (PEM) to trust for the server's certificate.
+    pub tls_ca_file: Option<String>,
+    /// Client certificate and key (PEM) for mutual TLS.
+    pub tls_cert_file: Option<String>,
+    pub tls_key_file: Option<String>,
     /// Publishes awaiting a JetStream ack at once, per publisher.
     pub max_inflight: usize,
     /// JetStream deduplication window of the streams (Nats-Msg-Id).
@@ -189,6 +197,10 @@ impl Default for NatsSettings {
             password: None,
             token: None,
             credentials_file: None,
+            tls_required: false,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             max_inflight: 256,
             duplicate_window: Duration::from_secs(120),
             changes_max_age: Duration::from_secs(7 * 24 * 3600),
@@ -212,11 +224,23 @@ pub struct RedisSettings {
     pub cluster: bool,
     /// Prefix of every Redis key.
     pub namespace: String,
+    /// With a `rediss://` URL: a CA certificate (PEM) to trust instead of
+    /// the system roots, and a client certificate and key for mutual TLS.
+    pub tls_ca_file: Option<String>,
+    pub tls_cert_file: Option<String>,
+    pub tls_key_file: Option<String>,
 }
 
 impl Default for RedisSettings {
     fn default() -> Self {
-        Self { url: "redis://127.0.0.1:6379".into(), cluster: false, namespace: "ss".into() }
+        Self {
+            url: "redis://127.0.0.1:6379".into(),
+            cluster: false,
+            namespace: "ss".into(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
     }
 }
 
@@ -441,6 +465,18 @@ impl Settings {
         }
         if self.nats.max_inflight == 0 {
             return Err(invalid("nats.max_inflight", "must be at least 1"));
+        }
+        if self.nats.tls_cert_file.is_some() != self.nats.tls_key_file.is_some() {
+            return Err(invalid(
+                "nats.tls_cert_file",
+                "a client certificate needs its key (tls_key_file), and the reverse",
+            ));
+        }
+        if self.redis.tls_cert_file.is_some() != self.redis.tls_key_file.is_some() {
+            return Err(invalid(
+                "redis.tls_cert_file",
+                "a client certificate needs its key (tls_key_file), and the reverse",
+            ));
         }
         if self.redis.urls().is_empty() {
             return Err(invalid("redis.url", "no server URL"));
