@@ -46,7 +46,7 @@ impl Context {
         let nats = &self.settings.nats;
         shelfsync_bus::connect(nats, "shelfsync-cli", false)
             .await
-            .with_context(|| format!("is NATS running at {} (nats.url)?", nats.url))
+            .with_context(|| format!("is NATS running at {} (nats.url)?", nats.url_redacted()))
     }
 
     /// A JetStream context on a fresh connection.
@@ -59,6 +59,6 @@ impl Context {
         let redis = &self.settings.redis;
         Store::connect(redis)
             .await
-            .with_context(|| format!("is Redis running at {} (redis.url)?", redis.url))
+            .with_context(|| format!("is Redis running at {} (redis.url)?", redis.url_redacted()))
     }
 }

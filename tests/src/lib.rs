@@ -395,3 +395,508 @@ fn dechunk(mut body: &str) -> String {
     }
     out
 }
+
+// ---------------------------------------------------------------------------
+// Fault-injection helpers (tests/tests/faults_*.rs, docs/RELIABILITY.md): a
+// serial model of storage to compare against, a deterministic churn
+// workload, a consumer-side mirror on the ChangeFeed kit, publishing that
+// rides through a NATS outage, and small probes (consumer info, metrics,
+// server pids).
+// ---------------------------------------------------------------------------
+
+/// A record key as the fault tests use it: `(brand, place, product_id)`.
+pub type RecordId = (i64, i64, String);
+
+/// What a consumer can observe of a record version: `(data, state, absent,
+/// deleted)` — everything but the timestamps, which differ between runs.
+pub type Observed = (Vec<u8>, Vec<u8>, bool, bool);
+
+pub fn observed(r: &Record) -> Observed {
+    (r.data.clone(), r.state.clone(), r.absent, r.deleted)
+}
+
+fn id_of(key: &RecordKey) -> RecordId {
+    (key.brand_id, key.place_id, key.product_id.clone())
+}
+
+/// Storage applied serially, in memory, with its own pure core
+/// (`shelfsync_storage::apply::apply_batch`): the state and the transitions
+/// that one fault-free worker applying the batches in publish order yields.
+/// The fault tests hold the distributed machinery (crashes, redeliveries,
+/// restarts) to it.
+#[derive(Default)]
+pub struct SerialModel {
+    partitions: u32,
+    slots: HashMap<RecordId, shelfsync_storage::apply::Slot>,
+    /// Per record, every observable version a change announced, in order.
+    pub transitions: HashMap<RecordId, Vec<Observed>>,
+    /// Changes emitted in all.
+    pub changes: usize,
+    /// Rejection reasons, in order.
+    pub rejections: Vec<String>,
+    clock: i64,
+}
+
+impl SerialModel {
+    pub fn new(partitions: u32) -> Self {
+        Self { partitions, clock: 1, ..Default::default() }
+    }
+
+    /// Applies one command message, as the worker owning its partition would.
+    pub fn apply(&mut self, batch: &CommandBatch) {
+        self.clock += 1_000;
+        let limits = shelfsync_storage::apply::Limits {
+            partition: batch.partition,
+            partitions: self.partitions,
+            max_record_bytes: shelfsync_settings::StorageSettings::default().max_record_bytes,
+            now_us: self.clock,
+        };
+        // Every record the model knows is in `slots`, so the sweep finds its
+        // candidates there and needs no separate generation column.
+        let out =
+            shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &HashMap::new(), &limits);
+        for c in &out.changes {
+            let after = c.after.as_ref().expect("a change has an after");
+            let key = c.key.as_ref().expect("a change has a key");
+            self.transitions.entry(id_of(key)).or_default().push(observed(after));
+        }
+        self.changes += out.changes.len();
+        self.rejections.extend(out.rejections.into_iter().map(|r| r.reason));
+    }
+
+    /// The final observable state of every record the model holds.
+    pub fn records(&self) -> HashMap<RecordId, Observed> {
+        self.slots
+            .iter()
+            .filter_map(|(k, s)| s.record.as_ref().map(|r| (k.clone(), observed(r))))
+            .collect()
+    }
+}
+
+/// A deterministic import with churn over several places of one brand:
+/// full imports with generations and sweeps, items vanishing and coming
+/// back, a delta price feed, deletes and re-creations, a validator-style
+/// state PATCH, one key twice in a batch, and an identical re-import. Each
+/// command message holds at most `chunk` commands of one place.
+#[derive(Debug, Clone)]
+pub struct Churn {
+    pub brand: i64,
+    pub places: Vec<i64>,
+    pub items: usize,
+    pub chunk: usize,
+}
+
+impl Churn {
+    /// Command messages in publish order, each for one partition.
+    pub fn batches(&self, partitions: u32) -> Vec<CommandBatch> {
+        let mut out = Vec::new();
+        let sku = |i: usize| format!("sku-{i}");
+        for &place in &self.places {
+            let p = partition_of(self.brand, place, partitions).0;
+            let mut emit = |commands: Vec<Command>, sweeps: Vec<Sweep>| {
+                let mut commands = commands.into_iter().peekable();
+                while commands.peek().is_some() {
+                    let chunk: Vec<Command> = commands.by_ref().take(self.chunk).collect();
+                    out.push(CommandBatch { partition: p, commands: chunk, ..Default::default() });
+                }
+                if !sweeps.is_empty() {
+                    out.push(CommandBatch { partition: p, sweeps, ..Default::default() });
+                }
+            };
+            let sweep = |generation: i64| Sweep {
+                brand_id: self.brand,
+                place_id: place,
+                generation,
+                source: "churn".into(),
+                import_id: format!("churn-{generation}"),
+            };
+            let full =
+                |generation: i64, keep: &dyn Fn(usize) -> bool, price: &dyn Fn(usize) -> i64| {
+                    (0..self.items)
+                        .filter(|&i| keep(i))
+                        .map(|i| {
+                            patch(
+                                self.brand,
+                                place,
+                                &sku(i),
+                                &product("Roses", price(i), 5),
+                                generation,
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                };
+            let base = |i: usize| 1_000 + i as i64;
+            // 1: first full import.
+            emit(full(1_000, &|_| true, &base), vec![sweep(1_000)]);
+            // 2: a tenth of the prices move; every 7th item vanishes (swept).
+            let moved = |i: usize| if i.is_multiple_of(10) { 9_000 + i as i64 } else { base(i) };
+            emit(full(2_000, &|i| i % 7 != 3, &moved), vec![sweep(2_000)]);
+            // 3: a delta price feed (no generation), deletes, a hidden state,
+            // and one key twice in one message (both transitions count).
+            let mut delta = Vec::new();
+            for i in 0..self.items {
+                if i % 5 == 1 {
+                    let price = Product { price: Some(5_000 + i as i64), ..Default::default() };
+                    delta.push(patch(self.brand, place, &sku(i), &price, 0));
+                }
+                if i % 11 == 5 {
+                    delta.push(Command {
+                        key: Some(RecordKey::new(self.brand, place, sku(i))),
+                        kind: CommandKind::Delete as i32,
+                        ..Default::default()
+                    });
+                }
+                if i.is_multiple_of(13) {
+                    let state =
+                        shelfsync_proto::RecordState { hidden: Some(true), ..Default::default() };
+                    delta.push(Command {
+                        key: Some(RecordKey::new(self.brand, place, sku(i))),
+                        kind: CommandKind::Patch as i32,
+                        state: state.encode_to_vec(),
+                        ..Default::default()
+                    });
+                }
+            }
+            let stock = |n: i64| Product { stock: Some(n), ..Default::default() };
+            delta.push(patch(self.brand, place, &sku(2), &stock(0), 0));
+            delta.push(patch(self.brand, place, &sku(2), &stock(9), 0));
+            emit(delta, vec![]);
+            // 4: a full import brings everything back (deleted ones are
+            // re-created, vanished ones un-swept), prices as at first.
+            emit(full(3_000, &|_| true, &base), vec![sweep(3_000)]);
+            // 5: identical re-import: generation-only writes, no change.
+            emit(full(4_000, &|_| true, &base), vec![sweep(4_000)]);
+        }
+        out
+    }
+}
+
+/// Publishes one message and waits for its JetStream ack, retrying with the
+/// same `Nats-Msg-Id` until `deadline` — through a NATS restart, the way a
+/// careful producer does; the stream's duplicate window drops a retry whose
+/// first attempt was stored after all. Returns the attempts it took.
+pub async fn publish_until_acked(
+    js: &jetstream::Context,
+    subject: &str,
+    msg_id: &str,
+    msg_type: &str,
+    payload: Vec<u8>,
+    deadline: Duration,
+) -> anyhow::Result<u32> {
+    let give_up = tokio::time::Instant::now() + deadline;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let msg = jetstream::message::PublishMessage::build()
+            .payload(payload.clone().into())
+            .message_id(msg_id)
+            .header(shelfsync_bus::TYPE_HEADER, msg_type);
+        let result = async {
+            let ack = js.send_publish(subject.to_string(), msg).await?;
+            anyhow::Ok(tokio::time::timeout(Duration::from_secs(2), ack).await??)
+        }
+        .await;
+        match result {
+            Ok(_) => return Ok(attempts),
+            Err(e) if tokio::time::Instant::now() > give_up => {
+                return Err(e.context(format!("publishing {msg_id} to {subject}")));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+impl Harness {
+    /// Publishes command messages in order with ids `<tag>:<index>`, each
+    /// retried until acked (see [`publish_until_acked`]).
+    pub async fn publish_batches(&self, tag: &str, batches: &[CommandBatch]) -> anyhow::Result<()> {
+        for (i, b) in batches.iter().enumerate() {
+            publish_until_acked(
+                &self.js,
+                &self.subjects.cmd(Partition(b.partition)),
+                &format!("{tag}:{i}"),
+                msg_type::COMMAND_BATCH,
+                b.encode_to_vec(),
+                SETTLE,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Every record storage holds in the places, by key.
+    pub async fn records_of(
+        &self,
+        brand: i64,
+        places: &[i64],
+    ) -> anyhow::Result<HashMap<RecordId, Record>> {
+        let mut out = HashMap::new();
+        for &p in places {
+            for r in self.store.place_records(self.settings.storage.partitions, brand, p).await? {
+                out.insert(id_of(r.key.as_ref().expect("stored records have keys")), r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// A durable consumer's info (`num_pending`, `num_ack_pending`,
+    /// `num_redelivered`, ...).
+    pub async fn consumer_info(
+        &self,
+        stream: &str,
+        consumer: &str,
+    ) -> anyhow::Result<consumer::Info> {
+        let stream = self.js.get_stream(stream).await?;
+        Ok(stream.consumer_info(consumer).await?)
+    }
+
+    /// The CHANGES stream's last sequence.
+    pub async fn changes_last_seq(&self) -> anyhow::Result<u64> {
+        let mut s = self.js.get_stream(self.subjects.changes_stream()).await?;
+        Ok(s.info().await?.state.last_sequence)
+    }
+
+    /// Holds storage to the serial model: its records equal the model's
+    /// (observably), and the change stream carries, per record, exactly the
+    /// model's transitions in order — nothing lost, nothing twice — with a
+    /// strictly increasing `updated_at`. Returns the changes.
+    pub async fn assert_serial(
+        &self,
+        model: &SerialModel,
+        brand: i64,
+        places: &[i64],
+    ) -> Vec<Change> {
+        let stored = self.records_of(brand, places).await.expect("storage records");
+        let want = model.records();
+        assert_eq!(stored.len(), want.len(), "record count: storage vs serial model");
+        for (k, w) in &want {
+            let s = stored.get(k).unwrap_or_else(|| panic!("storage lacks {k:?}"));
+            assert!(observed(s) == *w, "{k:?}: storage differs from the serial model");
+        }
+        let changes = self.changes().await.expect("changes");
+        let mut seen: HashMap<RecordId, Vec<&Change>> = HashMap::new();
+        for c in &changes {
+            seen.entry(id_of(c.key.as_ref().expect("key"))).or_default().push(c);
+        }
+        let lost_or_extra: Vec<_> = seen
+            .iter()
+            .filter(|(k, v)| model.transitions.get(*k).map_or(0, Vec::len) != v.len())
+            .map(|(k, v)| (k.clone(), v.len(), model.transitions.get(k).map_or(0, Vec::len)))
+            .take(5)
+            .collect();
+        assert!(lost_or_extra.is_empty(), "(record, seen, expected) changes: {lost_or_extra:?}");
+        for (k, want) in &model.transitions {
+            let got = seen.get(k).unwrap_or_else(|| panic!("no change at all for {k:?}"));
+            for (i, (c, w)) in got.iter().zip(want).enumerate() {
+                let after = c.after.as_ref().expect("after");
+                assert!(observed(after) == *w, "{k:?}: change #{i} is not the serial one");
+                if i > 0 {
+                    let prev = got[i - 1].after.as_ref().expect("after").updated_at;
+                    assert!(after.updated_at > prev, "{k:?}: updated_at went back");
+                }
+            }
+        }
+        assert_eq!(changes.len(), model.changes, "changes in all");
+        changes
+    }
+}
+
+/// A consumer-side replica on the ChangeFeed kit: the latest version of
+/// every record, and a log of every version the kit handed over (to check
+/// that each transition arrives exactly once). Fault knobs: `pause` (a
+/// write-locked pause makes `apply` hang, as a stuck dependency would) and
+/// `fail_once` (the first delivery of these product ids fails transiently,
+/// so the message is nak'd and redelivered later, out of order).
+#[derive(Clone, Default)]
+pub struct FeedMirror {
+    pub records: std::sync::Arc<std::sync::Mutex<HashMap<RecordId, Record>>>,
+    pub applied: std::sync::Arc<std::sync::Mutex<Vec<(RecordId, i64)>>>,
+    pub pause: std::sync::Arc<tokio::sync::RwLock<()>>,
+    pub fail_once: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    pub failures: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl shelfsync_feed::Handler for FeedMirror {
+    async fn apply(
+        &mut self,
+        updates: &[shelfsync_feed::Update],
+    ) -> Result<(), shelfsync_feed::HandlerError> {
+        let _running = self.pause.read().await;
+        {
+            let mut fail = self.fail_once.lock().expect("lock");
+            if let Some(u) = updates.iter().find(|u| fail.contains(&u.key.product_id)) {
+                fail.remove(&u.key.product_id);
+                self.failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Err(shelfsync_feed::HandlerError::Transient("injected".into()));
+            }
+        }
+        let mut records = self.records.lock().expect("lock");
+        let mut applied = self.applied.lock().expect("lock");
+        for u in updates {
+            records.insert(id_of(&u.key), u.after.clone());
+            applied.push((id_of(&u.key), u.after.updated_at));
+        }
+        Ok(())
+    }
+
+    async fn reset_place(
+        &mut self,
+        brand_id: i64,
+        place_id: i64,
+    ) -> Result<(), shelfsync_feed::HandlerError> {
+        self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
+        Ok(())
+    }
+}
+
+impl FeedMirror {
+    /// The mirror equals storage record by record (timestamps included).
+    pub async fn assert_equals_storage(&self, h: &Harness, brand: i64, places: &[i64]) {
+        let stored = h.records_of(brand, places).await.expect("storage records");
+        let mine = self.records.lock().expect("lock").clone();
+        assert_eq!(mine.len(), stored.len(), "mirror vs storage record count");
+        for (k, s) in &stored {
+            let m = mine.get(k).unwrap_or_else(|| panic!("the mirror lacks {k:?}"));
+            assert_eq!(m.updated_at, s.updated_at, "{k:?}: updated_at");
+            assert!(observed(m) == observed(s), "{k:?}: the mirror differs from storage");
+        }
+    }
+
+    /// Every version was handed over once, and per record the versions are
+    /// the serial model's transitions (for a feed that saw every change).
+    pub fn assert_each_transition_once(&self, model: &SerialModel) {
+        let applied = self.applied.lock().expect("lock").clone();
+        let mut seen = std::collections::HashSet::new();
+        for a in &applied {
+            assert!(seen.insert(a.clone()), "{a:?} was handed to the consumer twice");
+        }
+        let mut per_key: HashMap<RecordId, usize> = HashMap::new();
+        for (k, _) in &applied {
+            *per_key.entry(k.clone()).or_default() += 1;
+        }
+        for (k, want) in &model.transitions {
+            assert_eq!(per_key.get(k).copied().unwrap_or(0), want.len(), "{k:?}: transitions seen");
+        }
+        assert_eq!(applied.len(), model.changes, "transitions handed to the consumer in all");
+    }
+
+    /// The digest of one place as the mirror holds it.
+    pub fn digest(&self, brand: i64, place: i64) -> shelfsync_bus::digest::Digest {
+        let mut d = shelfsync_bus::digest::Digest::default();
+        for ((b, p, id), r) in self.records.lock().expect("lock").iter() {
+            if (*b, *p) == (brand, place) {
+                d.add(id, r.updated_at);
+            }
+        }
+        d
+    }
+}
+
+/// A ChangeFeed running in a task until stopped; hands the feed back so it
+/// can be resumed with its state.
+pub struct RunningFeed {
+    pub status: std::sync::Arc<shelfsync_feed::FeedStatus>,
+    /// The durable consumer's name.
+    pub name: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<shelfsync_feed::ChangeFeed>>,
+}
+
+impl RunningFeed {
+    /// Runs `feed`, whose durable consumer is `name`, with `handler`.
+    pub fn start(name: &str, mut feed: shelfsync_feed::ChangeFeed, handler: FeedMirror) -> Self {
+        let status = feed.status();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut handler = handler;
+            feed.run(&mut handler, async move {
+                let _ = rx.await;
+            })
+            .await
+            .expect("the change feed runs");
+            feed
+        });
+        Self { status, name: name.to_string(), stop: Some(tx), task: Some(task) }
+    }
+
+    /// A feed over every place from the first change (see
+    /// [`tail_from_start`]), durable consumer `name`.
+    pub fn tail(h: &Harness, name: &str, handler: FeedMirror) -> Self {
+        Self::start(name, tail_from_start(h, name), handler)
+    }
+
+    /// Asks the feed to stop and returns it once the batch in hand is done.
+    pub async fn stop(mut self) -> shelfsync_feed::ChangeFeed {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.task.take().expect("running").await.expect("the feed task")
+    }
+
+    /// Waits until the feed has handled and acked the CHANGES stream up to
+    /// its end (as it stands when called). Read from the consumer's info:
+    /// the kit's `position` is the last message handled, which after a
+    /// redelivery is an older one.
+    pub async fn wait_caught_up(&self, h: &Harness, timeout: Duration) {
+        let last = h.changes_last_seq().await.expect("changes stream");
+        let stream = h.subjects.changes_stream();
+        eventually(timeout, "the consumer to catch up with the change stream", || async {
+            self.status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
+                && h.consumer_info(&stream, &self.name).await.is_ok_and(|i| {
+                    i.delivered.stream_sequence >= last
+                        && i.num_pending == 0
+                        && i.num_ack_pending == 0
+                })
+        })
+        .await;
+    }
+}
+
+impl Drop for RunningFeed {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A ChangeFeed over every place that tails from the first change (no
+/// keyframe asked for), so it sees every transition.
+pub fn tail_from_start(h: &Harness, name: &str) -> shelfsync_feed::ChangeFeed {
+    let mut cfg = shelfsync_feed::FeedConfig::new(name);
+    cfg.request_keyframe_if_missing = false;
+    cfg.ack_wait = Duration::from_secs(5);
+    shelfsync_feed::ChangeFeed::new(h.client.clone(), &h.settings, cfg)
+}
+
+/// The value of a Prometheus sample `name{labels}` in `text` (labels as
+/// written, e.g. `consumer="x"`; empty for none).
+pub fn metric_value(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let wanted = if labels.is_empty() { name.to_string() } else { format!("{name}{{{labels}}}") };
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(&wanted)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The pid of the running process whose command line contains `needle`
+/// (e.g. a server's config path, unique to the test) — to signal exactly
+/// that process.
+pub fn pid_with_arg(needle: &str) -> Option<u32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Sends `signal` (e.g. `STOP`, `CONT`, `KILL`) to one process by its id.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Process::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("running kill");
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}

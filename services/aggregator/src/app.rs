@@ -54,7 +54,7 @@ impl App {
         shelfsync_bus::provision(&js, &settings).await?;
         let aggregator = Aggregator::connect(&settings, client.clone())
             .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
+            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
         let listen = &settings.aggregator.http_listen;
         let http = tokio::net::TcpListener::bind(listen)
             .await

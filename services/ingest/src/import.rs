@@ -73,7 +73,7 @@ impl Importer {
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         let state = State::connect(&settings.redis)
             .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
+            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
         // reqwest is built without a default crypto provider; install ours
         // (an error only means one is installed already).
         let _ = rustls::crypto::ring::default_provider().install_default();

@@ -105,7 +105,7 @@ impl App {
         shelfsync_bus::provision(&js, &settings).await?;
         let store = Store::connect(&settings.redis)
             .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url))?;
+            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
         let http = tokio::net::TcpListener::bind(&settings.storage.http_listen)
             .await
             .with_context(|| format!("cannot listen on {}", settings.storage.http_listen))?;
@@ -276,8 +276,8 @@ async fn sample_gauges(
             for &p in &owned {
                 let name = subjects.storage_consumer(Partition(p));
                 if let Ok(info) = stream.consumer_info(&name).await {
-                    metrics::gauge!(names::CONSUMER_LAG, "consumer" => name)
-                        .set(info.num_pending as f64);
+                    let lag = info.num_pending + info.num_ack_pending as u64;
+                    metrics::gauge!(names::CONSUMER_LAG, "consumer" => name).set(lag as f64);
                 }
             }
         }

@@ -87,7 +87,7 @@ pub async fn connect(
     let urls = cfg.urls();
     opts.connect(urls.as_slice())
         .await
-        .map_err(|source| BusError::Connect { url: cfg.url.clone(), source })
+        .map_err(|source| BusError::Connect { url: cfg.url_redacted(), source })
 }
 
 /// A JetStream context whose API calls time out as configured.

@@ -199,7 +199,7 @@ impl ChangeFeed {
             },
             _ => None,
         };
-        let mut consumer = self.consumer(start).await?;
+        let consumer = self.consumer(start).await?;
         self.status.bootstrapped.store(true, Ordering::SeqCst);
         info!(
             feed = %self.cfg.name,
@@ -210,19 +210,27 @@ impl ChangeFeed {
         );
         let mut messages =
             consumer.messages().await.map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
-        let mut lag = tokio::time::interval(LAG_EVERY);
-        lag.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Sampled by its own task: a handler that hangs must show as lag.
+        let sampler = {
+            let mut consumer = consumer.clone();
+            let name = self.cfg.name.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(LAG_EVERY);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    // Not yet delivered plus delivered and not yet acked.
+                    if let Ok(info) = consumer.info().await {
+                        let lag = info.num_pending + info.num_ack_pending as u64;
+                        metrics::gauge!(names::CONSUMER_LAG, "consumer" => name.clone())
+                            .set(lag as f64);
+                    }
+                }
+            })
+        };
         loop {
             let msg = tokio::select! {
                 _ = &mut shutdown => break,
-                _ = lag.tick() => {
-                    // Messages the stream holds for this consumer, not yet delivered.
-                    if let Ok(info) = consumer.info().await {
-                        metrics::gauge!(names::CONSUMER_LAG, "consumer" => self.cfg.name.clone())
-                            .set(info.num_pending as f64);
-                    }
-                    continue;
-                }
                 m = messages.next() => match m {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
@@ -235,6 +243,7 @@ impl ChangeFeed {
             };
             self.handle(msg, handler).await;
         }
+        sampler.abort();
         Ok(())
     }
 
@@ -337,7 +346,8 @@ impl ChangeFeed {
 
     async fn handle<H: Handler>(&mut self, msg: jetstream::Message, handler: &mut H) {
         if let Ok(info) = msg.info() {
-            self.status.position.store(info.stream_sequence, Ordering::Relaxed);
+            // A redelivery must not move the position back.
+            self.status.position.fetch_max(info.stream_sequence, Ordering::Relaxed);
         }
         let span = shelfsync_telemetry::process_span!(
             "feed.process",

@@ -607,6 +607,41 @@ impl Settings {
     }
 }
 
+/// A server URL (or comma-separated list) fit for logs and errors: any
+/// password in it is replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|u| {
+            let Some((scheme, rest)) = u.split_once("://") else { return u.to_string() };
+            let Some((userinfo, host)) = rest.rsplit_once('@') else { return u.to_string() };
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}")
+            } else if scheme.starts_with("redis") || scheme.starts_with("nats") {
+                // A lone userinfo may be a token or a password.
+                format!("{scheme}://***@{host}")
+            } else {
+                u.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl NatsSettings {
+    /// The URL(s) without secrets, for logs and errors.
+    pub fn url_redacted(&self) -> String {
+        redact_url(&self.url)
+    }
+}
+
+impl RedisSettings {
+    /// The URL(s) without secrets, for logs and errors.
+    pub fn url_redacted(&self) -> String {
+        redact_url(&self.url)
+    }
+}
+
 /// Environment values are strings; give numbers and booleans their type so
 /// that `SHELFSYNC__STORAGE__PARTITIONS=16` deserializes into a `u32`.
 fn parse_env_value(value: &str) -> config::Value {
@@ -729,6 +764,14 @@ source = "https://partner.example/feed.json"
             let err = Settings::from_toml(text).expect_err(text).to_string();
             assert!(err.contains(needle), "error for {text:?} was {err:?}, expected {needle:?}");
         }
+    }
+
+    #[test]
+    fn urls_are_redacted_for_logs() {
+        assert_eq!(redact_url("redis://app:s3cret@h:6379"), "redis://app:***@h:6379");
+        assert_eq!(redact_url("redis://:s3cret@h:6379/0"), "redis://:***@h:6379/0");
+        assert_eq!(redact_url("nats://tok@h:4222,nats://h2:4222"), "nats://***@h:4222,nats://h2:4222");
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
     }
 
     #[test]

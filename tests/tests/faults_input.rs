@@ -1,0 +1,379 @@
+//! Fault scenario 9 (docs/RELIABILITY.md): a corpus of bad input, for ingest
+//! (partner feeds) and for storage (command messages). Each bad piece gets a
+//! clear error or a counted rejection with a stable reason; the good data in
+//! the same feed or stream lands; nothing crashes and no partition blocks.
+//!
+//! The item-level rules are unit-tested in `services/ingest/src/item.rs`
+//! and `feed.rs`; here the corpus goes end to end, through the importer,
+//! NATS and storage, in one feed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use async_nats::jetstream::message::PublishMessage;
+use prost::Message;
+use shelfsync_bus::{Partition, TYPE_HEADER};
+use shelfsync_ingest::{ImportError, Importer, Source};
+use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, msg_type};
+use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_storage::Stats;
+use shelfsync_testkit::TestEnv;
+use shelfsync_tests::*;
+
+const BRAND: i64 = 7;
+
+fn partner(name: &str) -> PartnerSettings {
+    PartnerSettings {
+        name: name.into(),
+        brand_id: BRAND,
+        kind: ImportKind::Full,
+        fields: [
+            "title",
+            "category",
+            "price",
+            "old_price",
+            "currency",
+            "stock",
+            "images",
+            "description",
+        ]
+        .map(String::from)
+        .to_vec(),
+        source: None,
+        poll_interval: None,
+        format: Default::default(),
+        clear_missing: true,
+    }
+}
+
+struct Ingest {
+    _env: TestEnv,
+    h: Harness,
+    storage: InProcessStorage,
+    importer: Importer,
+    settings: Settings,
+    dir: tempfile::TempDir,
+}
+
+async fn start() -> Ingest {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    settings.partners = vec![partner("nested"), partner("lines")];
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let dir = tempfile::tempdir().expect("tmp");
+    Ingest { _env: env, h, storage, importer, settings, dir }
+}
+
+impl Ingest {
+    async fn import(
+        &self,
+        partner: &str,
+        body: &[u8],
+    ) -> Result<shelfsync_ingest::ImportReport, ImportError> {
+        let path = self.dir.path().join(format!("{partner}-{}.json", now_us()));
+        std::fs::write(&path, body).expect("write feed");
+        let p = self.settings.partner(partner).expect("partner").clone();
+        let result = self.importer.import(&p, Source::File(path), None).await;
+        self.h.wait_settled().await;
+        result
+    }
+
+    async fn product(&self, place: i64, id: &str) -> Option<Product> {
+        let r = self.h.get(BRAND, place, id).await.expect("get")?;
+        Some(decode_product(&r.data))
+    }
+}
+
+fn nest(depth: usize) -> String {
+    format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+}
+
+#[tokio::test]
+async fn a_bad_feed_corpus_is_rejected_item_by_item_and_the_good_items_land() {
+    let t = start().await;
+    // The nested format: every bad item is rejected alone.
+    let nested = format!(
+        r#"{{"brand_id": 7, "generator": {{"deep": {deep}}}, "places": [{{"place_id": 1, "items": [
+            {{"id": "good-1", "title": "Roses", "price": 100, "stock": 1, "colour": "red", "x": {{"y": [1, {{"z": null}}]}}}},
+            17,
+            {{"title": "no id"}},
+            {{"id": "str-price", "price": "12.50"}},
+            {{"id": "float-price", "price": 1.5}},
+            {{"id": "huge", "price": 99999999999999999999999}},
+            {{"id": "huge-negative", "stock": -1e30}},
+            {{"id": "bool-stock", "stock": true}},
+            {{"id": "deep-title", "title": {deep}}},
+            {{"id": "deep-extra", "title": "ok", "extra": {deep}}},
+            {{"id": "{long_id}"}},
+            {{"id": "big", "description": "{big}"}},
+            {{"id": "negative-stock", "title": "t", "price": 0, "stock": -3}},
+            {{"id": "null-title", "title": null, "price": 5}},
+            {{"id": "good-1", "title": "duplicate"}},
+            {{"id": "emoji", "title": "Розы 🌹 \u00e9"}}
+        ]}}]}}"#,
+        deep = nest(20_000),
+        long_id = "x".repeat(300),
+        big = "d".repeat(100 * 1024),
+    );
+    let r = t.import("nested", nested.as_bytes()).await.expect("the feed lands despite bad items");
+    let expected: BTreeMap<String, u64> = [
+        ("duplicate_id", 1),
+        ("invalid_value", 1),
+        ("missing_id", 1),
+        ("not_an_object", 1),
+        ("out_of_range", 2),
+        ("too_large", 1),
+        ("wrong_type", 4),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(r.rejected, expected, "rejections by reason");
+    assert_eq!(r.items, 5, "good-1, deep-extra, negative-stock, null-title, emoji");
+    let good = t.product(1, "good-1").await.expect("good-1 landed");
+    assert_eq!((good.title.as_deref(), good.price), (Some("Roses"), Some(100)));
+    let neg = t.product(1, "negative-stock").await.expect("business rules are the validator's");
+    assert_eq!((neg.price, neg.stock), (Some(0), Some(-3)));
+    assert!(t.product(1, "deep-extra").await.is_some(), "deep unknown fields are skipped");
+    assert_eq!(t.product(1, "null-title").await.expect("landed").title, None);
+    assert_eq!(t.product(1, "emoji").await.expect("landed").title.as_deref(), Some("Розы 🌹 é"));
+    for id in ["str-price", "huge", "deep-title", "big", "bool-stock"] {
+        assert!(t.h.get(BRAND, 1, id).await.expect("get").is_none(), "{id} must not land");
+    }
+
+    // NDJSON: lines are independent, so even broken JSON, NaN and invalid
+    // UTF-8 cost one line each.
+    let mut lines: Vec<Vec<u8>> = vec![
+        br#"{"id":"n-good-1","brand_id":7,"place_id":2,"title":"ok","price":1}"#.to_vec(),
+        br#"{"id":"n-nan","place_id":2,"price":NaN}"#.to_vec(),
+        br#"{"id":"n-inf","place_id":2,"price":Infinity}"#.to_vec(),
+        br#"{"id":"n-trunc","place_id":2,"pri"#.to_vec(),
+        b"not json at all".to_vec(),
+        b"{\"id\":\"n-utf8\",\"place_id\":2,\"title\":\"\xff\xfe\"}".to_vec(),
+        br#"{"id":"n-surrogate","place_id":2,"title":"\ud800"}"#.to_vec(),
+        br#"{"id":"n-brand","brand_id":8,"place_id":2}"#.to_vec(),
+        br#"{"id":"n-noplace","brand_id":7}"#.to_vec(),
+        br#"{"id":"n-place-type","place_id":"2"}"#.to_vec(),
+        format!(r#"{{"id":"n-big","place_id":2,"description":"{}"}}"#, "d".repeat(100 * 1024))
+            .into_bytes(),
+        format!(r#"{{"id":"n-deep","place_id":2,"title":"deep","x":{}}}"#, nest(20_000))
+            .into_bytes(),
+        br#"{"id":"n-good-1","place_id":2,"title":"again"}"#.to_vec(),
+        br#"{"id":"n-good-2","place_id":2,"title":"ok","stock":-1,"unknown":{"a":[1,2]}}"#.to_vec(),
+    ];
+    lines.push(Vec::new()); // a blank line is skipped
+    let r = t.import("lines", &lines.join(&b'\n')).await.expect("NDJSON lands despite bad lines");
+    assert_eq!(r.items, 3, "n-good-1, n-deep, n-good-2: {:?}", r.rejected);
+    assert_eq!(r.rejected_total, 11, "{:?}", r.rejected);
+    for (reason, n) in [
+        ("malformed", 5),
+        ("brand_mismatch", 1),
+        ("missing_place", 1),
+        ("too_large", 1),
+        ("duplicate_id", 1),
+    ] {
+        assert_eq!(r.rejected.get(reason), Some(&n), "{reason} in {:?}", r.rejected);
+    }
+    assert!(t.product(2, "n-good-2").await.is_some());
+
+    // Every rejection is on the REJECTS stream, with its reason and detail.
+    let rejections = t.h.rejections().await.expect("rejections");
+    assert_eq!(rejections.len(), 11 + 11, "the nested feed's and the NDJSON feed's");
+    for rej in &rejections {
+        assert!(!rej.reason.is_empty() && !rej.detail.is_empty(), "{rej:?}");
+    }
+    assert_eq!(Stats::get(&t.storage.stats.dead_lettered), 0);
+}
+
+#[tokio::test]
+async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing() {
+    let t = start().await;
+    let good = |n: usize| {
+        let items: Vec<String> =
+            (0..n).map(|i| format!(r#"{{"id":"sku-{i}","title":"t","price":{i}}}"#)).collect();
+        format!(r#"{{"brand_id":7,"places":[{{"place_id":1,"items":[{}]}}]}}"#, items.join(","))
+    };
+    t.import("nested", good(10).as_bytes()).await.expect("first import");
+    let changes = t.h.changes().await.expect("changes").len();
+
+    let truncated = good(10);
+    let mut invalid_utf8 = good(3).into_bytes();
+    let at = invalid_utf8.windows(3).position(|w| w == b"\"t\"").expect("a title") + 1;
+    invalid_utf8[at] = 0xff;
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("HTML error page", b"<html><body>502 Bad Gateway</body></html>".to_vec(), "not json"),
+        ("empty", b"  \n".to_vec(), "empty"),
+        ("truncated", truncated.as_bytes()[..truncated.len() / 2].to_vec(), "malformed"),
+        ("invalid UTF-8", invalid_utf8, "malformed"),
+        (
+            "NaN in an item",
+            br#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a","price":NaN}]}]}"#
+                .to_vec(),
+            "malformed",
+        ),
+        ("wrong brand", br#"{"brand_id":8,"places":[]}"#.to_vec(), "brand"),
+        ("places not an array", br#"{"brand_id":7,"places":{"place_id":1}}"#.to_vec(), "malformed"),
+        (
+            "deeply nested places",
+            format!(r#"{{"brand_id":7,"places":{}}}"#, nest(100_000)).into_bytes(),
+            "malformed",
+        ),
+    ];
+    for (what, body, needle) in cases {
+        let err = t.import("nested", &body).await.expect_err(what);
+        let text = err.to_string();
+        assert!(err.is_bad_feed(), "{what}: {err:?}");
+        assert!(text.to_lowercase().contains(needle), "{what}: {text}");
+        assert!(text.len() < 400, "{what}: the error stays readable: {text}");
+    }
+    // Nothing was swept by a failed import, nothing changed.
+    for i in 0..10 {
+        let r = t.h.get(BRAND, 1, &format!("sku-{i}")).await.expect("get").expect("record");
+        assert!(!r.absent, "sku-{i} swept by a failed import");
+    }
+    assert_eq!(
+        t.h.changes().await.expect("changes").len(),
+        changes,
+        "failed imports changed nothing"
+    );
+    // Junk nested deep under an unknown key is skipped; the feed lands.
+    let deep_meta = format!(
+        r#"{{"brand_id":7,"meta":{},"places":[{{"place_id":1,"items":[{{"id":"sku-0","title":"new","price":0}}]}}]}}"#,
+        nest(100_000)
+    );
+    let r = t.import("nested", deep_meta.as_bytes()).await.expect("deep junk under an unknown key");
+    assert_eq!((r.items, r.sweeps), (1, 1));
+    assert_eq!(t.product(1, "sku-0").await.expect("record").title.as_deref(), Some("new"));
+    assert!(
+        t.h.get(BRAND, 1, "sku-9").await.expect("get").expect("record").absent,
+        "a good full import sweeps"
+    );
+}
+
+/// A place of `BRAND` whose partition is not `p`.
+fn place_elsewhere(h: &Harness, p: Partition) -> i64 {
+    (2..).find(|&place| h.partition(BRAND, place) != p).expect("another partition")
+}
+
+fn cmd(place: i64, id: &str, kind: CommandKind, data: Vec<u8>) -> Command {
+    Command {
+        key: Some(RecordKey::new(BRAND, place, id)),
+        kind: kind as i32,
+        data,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flows_on() {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let p = h.partition(BRAND, 1);
+    let other = place_elsewhere(&h, p);
+    let good = |id: &str, price: i64| patch(BRAND, 1, id, &product("Roses", price, 1), 0);
+    let batch =
+        |commands: Vec<Command>| CommandBatch { partition: p.0, commands, ..Default::default() };
+
+    let mut model = SerialModel::new(settings.storage.partitions);
+    let mut raw: Vec<Vec<u8>> = Vec::new();
+    let mut decodable = |b: CommandBatch, raw: &mut Vec<Vec<u8>>| {
+        model.apply(&b);
+        raw.push(b.encode_to_vec());
+    };
+    decodable(batch(vec![good("first", 1)]), &mut raw);
+    // Not a CommandBatch: not protobuf, cut short, groups nested 10 000 deep.
+    raw.push(b"\xff\xff\xff not protobuf".to_vec());
+    let whole = batch(vec![good("cut", 1), good("cut-2", 2)]).encode_to_vec();
+    raw.push(whole[..whole.len() - 3].to_vec());
+    raw.push([vec![0x7b; 10_000], vec![0x7c; 10_000]].concat());
+    // An empty message is an empty batch: nothing to do, nothing to reject.
+    raw.push(Vec::new());
+    let mut long_id = good("x", 1);
+    long_id.key = Some(RecordKey::new(BRAND, 1, "x".repeat(600)));
+    let mut keyless = good("x", 1);
+    keyless.key = None;
+    let mut stale = good("first", 7);
+    stale.expected_updated_at = Some(1);
+    let mut unknown_kind = good("kind", 1);
+    unknown_kind.kind = 99;
+    let title_invalid_utf8 = [
+        vec![0x0a, 0x02, 0xff, 0xfe],
+        Product { price: Some(1), ..Default::default() }.encode_to_vec(),
+    ]
+    .concat();
+    let unknown_field = [
+        Product { title: Some("t".into()), ..Default::default() }.encode_to_vec(),
+        vec![0xf8, 0x06, 42],
+    ]
+    .concat();
+    decodable(
+        batch(vec![
+            keyless,
+            cmd(1, "", CommandKind::Patch, vec![]),
+            long_id,
+            cmd(other, "elsewhere", CommandKind::Patch, vec![]),
+            unknown_kind,
+            cmd(1, "bad-wire", CommandKind::Patch, vec![0xff, 0xff]),
+            cmd(1, "group", CommandKind::Patch, vec![0xa3, 0x01, 0xa4, 0x01]),
+            cmd(
+                1,
+                "huge",
+                CommandKind::Save,
+                Product { description: Some("x".repeat(300 * 1024)), ..Default::default() }
+                    .encode_to_vec(),
+            ),
+            stale,
+            // Accepted: storage is schema-agnostic (DESIGN §4) and business
+            // rules are the validator's.
+            cmd(1, "bad-utf8", CommandKind::Patch, title_invalid_utf8),
+            cmd(1, "unknown-field", CommandKind::Patch, unknown_field),
+            good("negative", 5),
+            patch(BRAND, 1, "negative", &Product { stock: Some(-4), ..Default::default() }, 0),
+            good("twice", 1),
+            good("twice", 2),
+        ]),
+        &mut raw,
+    );
+    decodable(batch(vec![good("last", 1)]), &mut raw);
+    for payload in raw {
+        h.send_raw(p, payload).await.expect("publish");
+    }
+    // A message over the server's max payload never gets in.
+    let oversized = PublishMessage::build()
+        .payload(vec![0u8; 2 << 20].into())
+        .header(TYPE_HEADER, msg_type::COMMAND_BATCH);
+    let refused = async { h.js.send_publish(h.subjects.cmd(p), oversized).await?.await }.await;
+    let err = refused.expect_err("a 2 MB message is refused").to_string();
+    assert!(err.to_lowercase().contains("payload"), "{err}");
+    h.wait_settled().await;
+
+    h.assert_serial(&model, BRAND, &[1, other]).await;
+    assert!(h.get(BRAND, 1, "last").await.expect("get").is_some(), "the partition flowed on");
+    let mut reasons: Vec<String> =
+        h.rejections().await.expect("rejections").into_iter().map(|r| r.reason).collect();
+    reasons.sort();
+    let mut expected: Vec<String> = model.rejections.clone();
+    expected.extend(["undecodable"; 3].map(String::from));
+    expected.sort();
+    assert_eq!(reasons, expected);
+    assert_eq!(
+        model.rejections.iter().filter(|r| *r == "malformed").count(),
+        6,
+        "keyless, empty id, long id, unknown kind, bad wire, group: {:?}",
+        model.rejections
+    );
+    for r in ["wrong_partition", "too_large", "conflict"] {
+        assert!(model.rejections.iter().any(|x| x == r), "{r} in {:?}", model.rejections);
+    }
+    assert_eq!(Stats::get(&storage.stats.dead_lettered), 3, "the undecodable messages, each once");
+    let unknown = h.get(BRAND, 1, "unknown-field").await.expect("get").expect("stored");
+    assert!(unknown.data.ends_with(&[0xf8, 0x06, 42]), "an unknown field is kept as is");
+    let neg = h.get(BRAND, 1, "negative").await.expect("get").expect("stored");
+    assert_eq!(decode_product(&neg.data).stock, Some(-4));
+}
