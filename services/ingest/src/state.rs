@@ -3,11 +3,11 @@
 //! owns those).
 //!
 //! Keys: `{namespace}:ingest:{partner}:etag`, `…:last_modified`, `…:reports`
-//! (a list, newest first).
+//! (a list, newest first). Every step touches one key, so it runs unchanged
+//! on a Redis Cluster (`[redis] cluster = true`).
 
-use redis::aio::{ConnectionLike, ConnectionManager};
-use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisResult};
+use shelfsync_redis::RedisConn;
 use shelfsync_settings::RedisSettings;
 
 use crate::source::Validators;
@@ -16,27 +16,14 @@ use crate::source::Validators;
 pub const KEPT_REPORTS: isize = 20;
 
 #[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-#[derive(Clone)]
 pub(crate) struct State {
-    conn: Conn,
+    conn: RedisConn,
     namespace: String,
 }
 
 impl State {
     pub async fn connect(cfg: &RedisSettings) -> RedisResult<State> {
-        let conn = if cfg.cluster {
-            Conn::Cluster(
-                redis::cluster::ClusterClient::new(cfg.urls())?.get_async_connection().await?,
-            )
-        } else {
-            Conn::Single(redis::Client::open(cfg.url.as_str())?.get_connection_manager().await?)
-        };
-        Ok(State { conn, namespace: cfg.namespace.clone() })
+        Ok(State { conn: RedisConn::connect(cfg).await?, namespace: cfg.namespace.clone() })
     }
 
     fn key(&self, partner: &str, what: &str) -> String {
@@ -44,13 +31,7 @@ impl State {
     }
 
     async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
-        async fn on<T: FromRedisValue>(mut c: impl ConnectionLike, cmd: &Cmd) -> RedisResult<T> {
-            cmd.query_async(&mut c).await
-        }
-        match self.conn.clone() {
-            Conn::Single(c) => on(c, cmd).await,
-            Conn::Cluster(c) => on(c, cmd).await,
-        }
+        cmd.query_async(&mut self.conn.clone()).await
     }
 
     pub async fn validators(&self, partner: &str) -> RedisResult<Validators> {
@@ -75,9 +56,16 @@ impl State {
     }
 
     pub async fn push_report(&self, partner: &str, json: &str) -> RedisResult<()> {
+        // One key, so the transaction is single-slot on a cluster too.
         let key = self.key(partner, "reports");
-        self.query::<()>(redis::cmd("LPUSH").arg(&key).arg(json)).await?;
-        self.query::<()>(redis::cmd("LTRIM").arg(&key).arg(0).arg(KEPT_REPORTS - 1)).await
+        redis::pipe()
+            .atomic()
+            .lpush(&key, json)
+            .ignore()
+            .ltrim(&key, 0, KEPT_REPORTS - 1)
+            .ignore()
+            .query_async(&mut self.conn.clone())
+            .await
     }
 
     /// The last `n` reports, newest first, as stored (JSON).

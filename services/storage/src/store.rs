@@ -19,64 +19,18 @@
 //! writes one small bulk `HSET` per place and no record bytes.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 use prost::Message;
-use redis::aio::ConnectionLike;
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::Value;
 use shelfsync_proto::{CommandBatch, OutboxEntry, Record, RecordKey};
 use shelfsync_settings::RedisSettings;
 
 use crate::apply::{GenEntry, Key, Slot, sweep_candidates, touched};
 
-/// A standalone or cluster connection, chosen by config; both multiplex and
-/// reconnect on their own.
-#[derive(Clone)]
-pub enum RedisConn {
-    Single(redis::aio::ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl RedisConn {
-    pub async fn connect(cfg: &RedisSettings) -> redis::RedisResult<RedisConn> {
-        if cfg.cluster {
-            let client = redis::cluster::ClusterClient::builder(cfg.urls()).retries(6).build()?;
-            Ok(RedisConn::Cluster(client.get_async_connection().await?))
-        } else {
-            let client = redis::Client::open(cfg.url.as_str())?;
-            let config = redis::aio::ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(std::time::Duration::from_secs(5)))
-                .set_response_timeout(Some(std::time::Duration::from_secs(10)))
-                .set_max_delay(std::time::Duration::from_secs(2));
-            Ok(RedisConn::Single(client.get_connection_manager_with_config(config).await?))
-        }
-    }
-}
-
-impl ConnectionLike for RedisConn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            RedisConn::Single(c) => c.req_packed_command(cmd),
-            RedisConn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-    fn get_db(&self) -> i64 {
-        match self {
-            RedisConn::Single(c) => c.get_db(),
-            RedisConn::Cluster(c) => c.get_db(),
-        }
-    }
-}
+/// The connection type lives in `shelfsync-redis` (shared with ingest and the
+/// aggregator); re-exported so `shelfsync_storage::RedisConn` keeps working.
+pub use shelfsync_redis::RedisConn;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -94,25 +48,7 @@ impl StoreError {
     /// an error that the same input will hit again.
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Redis(e) => {
-                e.is_io_error()
-                    || e.is_connection_refusal()
-                    || e.is_timeout()
-                    || e.is_connection_dropped()
-                    || e.is_unrecoverable_error()
-                    || matches!(
-                        e.code(),
-                        Some(
-                            "LOADING"
-                                | "TRYAGAIN"
-                                | "CLUSTERDOWN"
-                                | "MASTERDOWN"
-                                | "BUSY"
-                                | "READONLY"
-                                | "NOAUTH"
-                        )
-                    )
-            }
+            StoreError::Redis(e) => shelfsync_redis::is_transient(e),
             StoreError::Corrupt { .. } | StoreError::Reply(_) => false,
         }
     }
@@ -239,12 +175,38 @@ impl CommitOps {
     }
 }
 
+/// Removes the head of the outbox up to and including ARGV[1], an entry this
+/// process published, if it is still there. Entries are unique (their
+/// message ids carry partition, sequence and part) and only ever appended at
+/// the tail and removed from the head, so everything before it was published
+/// too. A plain `LTRIM n` is not safe when two processes relay one partition
+/// for a while (a stale owner during a rescale): the other one may already
+/// have trimmed those entries, and `n` would then remove newer, unpublished
+/// ones.
+const TRIM_LUA: &str = r#"
+local i = redis.call('LPOS', KEYS[1], ARGV[1])
+if not i then return 0 end
+redis.call('LTRIM', KEYS[1], i + 1, -1)
+return i + 1
+"#;
+
+/// How many entries a peek returned, and the last one as stored.
+type LastPeek = (usize, Vec<u8>);
+
+/// Values of an `HMGET`, in the order asked (`None`: no such field).
+type Column = Vec<Option<Vec<u8>>>;
+
 /// Storage's handle on Redis.
 #[derive(Clone)]
 pub struct Store {
     conn: RedisConn,
     namespace: String,
     commit_script: redis::Script,
+    trim_script: redis::Script,
+    /// Per partition, how many outbox entries [`Store::outbox_peek`] last
+    /// returned and the raw bytes of the last one, so that
+    /// [`Store::outbox_trim`] removes exactly those.
+    peeked: Arc<Mutex<HashMap<u32, LastPeek>>>,
 }
 
 impl Store {
@@ -253,6 +215,8 @@ impl Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
             commit_script: redis::Script::new(COMMIT_LUA),
+            trim_script: redis::Script::new(TRIM_LUA),
+            peeked: Arc::default(),
         })
     }
 
@@ -465,23 +429,48 @@ impl Store {
             .arg(n.saturating_sub(1) as i64)
             .query_async(&mut conn)
             .await?;
-        raw.iter()
+        let entries = raw
+            .iter()
             .map(|b| {
                 OutboxEntry::decode(b.as_slice())
                     .map_err(|e| StoreError::Corrupt { key: key.clone(), detail: e.to_string() })
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
+        match raw.into_iter().last() {
+            Some(last) => peeked.insert(partition, (entries.len(), last)),
+            None => peeked.remove(&partition),
+        };
+        Ok(entries)
     }
 
-    /// Removes `n` published entries from the head of the outbox.
+    /// Removes the `n` entries the last [`Store::outbox_peek`] of the
+    /// partition returned, once they are published — only those, even if
+    /// another process trimmed them meanwhile (see `TRIM_LUA`). Without such
+    /// a peek, trims the first `n` of the list.
     pub async fn outbox_trim(&self, partition: u32, n: usize) -> Result<(), StoreError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let last = {
+            let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
+            peeked.remove(&partition).and_then(|(len, last)| (len == n).then_some(last))
+        };
+        let key = self.keys(partition).outbox();
         let mut conn = self.conn.clone();
-        let _: Value = redis::cmd("LTRIM")
-            .arg(self.keys(partition).outbox())
-            .arg(n as i64)
-            .arg(-1)
-            .query_async(&mut conn)
-            .await?;
+        match last {
+            Some(last) => {
+                let _: i64 = self.trim_script.key(key).arg(last).invoke_async(&mut conn).await?;
+            }
+            None => {
+                let _: Value = redis::cmd("LTRIM")
+                    .arg(key)
+                    .arg(n as i64)
+                    .arg(-1)
+                    .query_async(&mut conn)
+                    .await?;
+            }
+        }
         Ok(())
     }
 
@@ -698,7 +687,7 @@ impl Store {
         }
         let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
         let mut conn = self.conn.clone();
-        let (recs, gens): (Vec<Option<Vec<u8>>>, Vec<Option<Vec<u8>>>);
+        let (recs, gens): (Column, Column);
         (recs, gens) = redis::pipe()
             .cmd("HMGET")
             .arg(keys.records(brand_id, place_id))

@@ -47,6 +47,23 @@ pub fn redis_server_bin() -> anyhow::Result<PathBuf> {
     )
 }
 
+/// The `redis-cli` to run (cluster creation): `SHELFSYNC_REDIS_CLI`, else the one next to
+/// [`redis_server_bin`], else the first on PATH.
+pub fn redis_cli_bin() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("SHELFSYNC_REDIS_CLI") {
+        return Ok(PathBuf::from(path));
+    }
+    if let Ok(server) = redis_server_bin()
+        && let Some(sibling) = server.parent().map(|d| d.join("redis-cli"))
+        && sibling.is_file()
+    {
+        return Ok(sibling);
+    }
+    on_path("redis-cli").into_iter().next().context(
+        "redis-cli not found: install it (e.g. `apt-get install redis-tools`) or set SHELFSYNC_REDIS_CLI",
+    )
+}
+
 fn find_nats_server() -> anyhow::Result<PathBuf> {
     // An explicit choice is trusted as is; the version gate is for guessing.
     if let Some(path) = std::env::var_os("SHELFSYNC_NATS_SERVER") {

@@ -5,13 +5,17 @@
 //!
 //! - [`NatsServer`] / [`RedisServer`]: one child process each, killed on drop, restartable on the
 //!   same port and data dir for fault tests.
+//! - [`RedisCluster`] / [`NatsCluster`]: a real Redis Cluster (`redis-cli --cluster create`) and
+//!   a NATS cluster with clustered JetStream, node by node killable, for scale-out tests.
 //! - [`TestEnv`]: both servers plus a unique prefix/namespace for one test.
 //! - [`eventually`]: wait for a condition with a deadline instead of sleeping.
-//! - [`workspace_bin`], [`nats_server_bin`], [`redis_server_bin`]: locate the binaries to run.
+//! - [`workspace_bin`], [`nats_server_bin`], [`redis_server_bin`], [`redis_cli_bin`]: locate the
+//!   binaries to run.
 
 #![forbid(unsafe_code)]
 
 mod bins;
+mod cluster;
 mod nats;
 mod process;
 mod redis;
@@ -19,7 +23,8 @@ mod redis;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-pub use bins::{nats_server_bin, redis_server_bin, workspace_bin};
+pub use bins::{nats_server_bin, redis_cli_bin, redis_server_bin, workspace_bin};
+pub use cluster::{NatsCluster, RedisCluster};
 pub use nats::NatsServer;
 pub use redis::RedisServer;
 
@@ -43,7 +48,7 @@ impl TestEnv {
 }
 
 /// `t` + 10 random lowercase alphanumerics: valid in NATS subjects, stream names and Redis keys.
-fn unique_name() -> String {
+pub fn unique_name() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut bits = process::random_u64() as u128 | ((process::random_u64() as u128) << 64);
     let mut name = String::from("t");

@@ -59,6 +59,21 @@ impl NatsServer {
         self.port
     }
 
+    /// The unique `server_name` (how a JetStream cluster names its peers and leaders).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The process id while it runs (e.g. to read its CPU time in a bench).
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.pid()
+    }
+
+    /// Whether the process is running (not killed, not exited).
+    pub fn is_running(&mut self) -> bool {
+        self.proc.is_running()
+    }
+
     /// The HTTP monitoring endpoint (`/varz`, `/jsz`, `/healthz`, ...).
     pub fn monitor_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.monitor_port)

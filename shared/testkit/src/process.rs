@@ -43,6 +43,10 @@ impl Proc {
         &self.log_path
     }
 
+    pub(crate) fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     pub(crate) fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
@@ -149,6 +153,15 @@ pub(crate) fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
         listeners.push(listener);
     }
     Ok(ports)
+}
+
+/// `n` distinct free loopback ports, as [`free_ports`] for a count known at run time.
+pub(crate) fn free_port_list(n: usize) -> anyhow::Result<Vec<u16>> {
+    let mut listeners = Vec::with_capacity(n);
+    for _ in 0..n {
+        listeners.push(TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?);
+    }
+    listeners.iter().map(|l| Ok(l.local_addr()?.port())).collect()
 }
 
 /// Random enough for unique names: std's per-process random hash keys over pid, time and a

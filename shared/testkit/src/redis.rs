@@ -64,6 +64,16 @@ impl RedisServer {
         self.port
     }
 
+    /// The process id while it runs (e.g. to read its CPU time in a bench).
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.pid()
+    }
+
+    /// Whether the process is running (not killed, not exited).
+    pub fn is_running(&mut self) -> bool {
+        self.proc.is_running()
+    }
+
     /// The server's working dir (RDB/AOF files); it survives `kill` and is reused by `restart`.
     pub fn dir(&self) -> &Path {
         self.dir.path()

@@ -1,0 +1,462 @@
+//! Scenarios 4 and 5: freshness at a fixed offered rate, and keyframes of every record — idle,
+//! then under that live load.
+//!
+//! The load generator plays ingest: every tick it publishes the PATCHes due at the offered rate
+//! (a new price for a random record, so each one is a real change), batched per partition, with
+//! `Origin.published_at` set when they are published. A ChangeFeed consumer bootstrapped from
+//! the idle keyframe feeds the recommender's own index handler, timed around it: "arrival" is
+//! when the kit hands the change to the handler, "indexed" when the index holds it.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use prost::Message;
+use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Publisher, Subjects};
+use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
+use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, msg_type};
+use shelfsync_recommender::{IndexHandler, SharedIndex};
+use tokio::sync::{oneshot, watch};
+
+use crate::children::Target;
+use crate::report::{FreshnessRun, KeyframeRun, Report};
+use crate::stats::Percentiles;
+use crate::world::{BRAND, World};
+
+/// `Origin.source` of the load generator's commands: only these are timed.
+pub const LOAD_SOURCE: &str = "bench-live";
+
+pub fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
+}
+
+/// One timed change: when it was published, reached the handler, was in the index (µs).
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    published: i64,
+    arrived: i64,
+    indexed: i64,
+}
+
+/// The recommender's index handler with a stopwatch around it.
+struct TimedIndex {
+    inner: IndexHandler,
+    samples: Arc<Mutex<Vec<Sample>>>,
+}
+
+impl Handler for TimedIndex {
+    async fn apply(&mut self, updates: &[Update]) -> Result<(), HandlerError> {
+        let arrived = now_us();
+        self.inner.apply(updates).await?;
+        let indexed = now_us();
+        let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        for u in updates {
+            if let Some(o) = u.origin.as_ref().filter(|o| o.source == LOAD_SOURCE) {
+                samples.push(Sample { published: o.published_at, arrived, indexed });
+            }
+        }
+        Ok(())
+    }
+
+    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
+        self.inner.reset_place(brand_id, place_id).await
+    }
+}
+
+/// A ChangeFeed consumer running in this process.
+pub struct Consumer {
+    pub status: Arc<FeedStatus>,
+    pub index: SharedIndex,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), shelfsync_feed::FeedError>>,
+}
+
+impl Consumer {
+    /// Starts the feed (keyframe bootstrap) and waits until it is live; returns it and how long
+    /// the bootstrap took.
+    pub async fn start(world: &World, storage: &Target) -> anyhow::Result<(Consumer, Duration)> {
+        let mut cfg = FeedConfig::new("bench-live");
+        cfg.max_ack_pending = 1000;
+        let mut feed = ChangeFeed::new(world.client.clone(), &storage.settings, cfg);
+        let status = feed.status();
+        let index = SharedIndex::default();
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let mut handler =
+            TimedIndex { inner: IndexHandler::new(index.clone()), samples: samples.clone() };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let started = Instant::now();
+        let task = tokio::spawn(async move {
+            feed.run(&mut handler, async move {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        let consumer = Consumer { status, index, samples, stop: Some(stop), task };
+        while !consumer.status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst) {
+            if consumer.task.is_finished() {
+                bail!("the change feed stopped during its bootstrap");
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                bail!("the change feed did not bootstrap within 10 minutes");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok((consumer, started.elapsed()))
+    }
+
+    fn take_samples(&self) -> Vec<Sample> {
+        std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn sample_count(&self) -> usize {
+        self.samples.lock().map_or(0, |s| s.len())
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+        self.task.abort();
+    }
+}
+
+/// The load generator, running until stopped.
+pub struct Load {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<anyhow::Result<u64>>,
+}
+
+impl Load {
+    pub fn start(world: &World, storage: &Target, rate: u64, run_id: u64) -> Load {
+        let (stop, stopped) = watch::channel(false);
+        let ctx = LoadCtx {
+            js: world.js.clone(),
+            subjects: storage.subjects(),
+            partitions: storage.settings.storage.partitions,
+            places: world.profile.places,
+            items: world.profile.items_per_place,
+            rate,
+            tick: world.profile.fresh_tick,
+            max_bytes: world.client.server_info().max_payload.saturating_sub(PAYLOAD_HEADROOM),
+            run_id,
+        };
+        Load { stop, task: tokio::spawn(generate(ctx, stopped)) }
+    }
+
+    /// Stops and returns how many changes were published.
+    pub async fn stop(self) -> anyhow::Result<u64> {
+        let _ = self.stop.send(true);
+        self.task.await?
+    }
+}
+
+struct LoadCtx {
+    js: async_nats::jetstream::Context,
+    subjects: Subjects,
+    partitions: u32,
+    places: u32,
+    items: u32,
+    rate: u64,
+    tick: Duration,
+    max_bytes: usize,
+    run_id: u64,
+}
+
+/// splitmix64: deterministic and dependency-free.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n.max(1)
+    }
+}
+
+async fn generate(ctx: LoadCtx, mut stopped: watch::Receiver<bool>) -> anyhow::Result<u64> {
+    let mut publisher = Publisher::new(ctx.js.clone(), 256);
+    let mut batcher = CommandBatcher::new(ctx.partitions, 1000, ctx.max_bytes);
+    let mut rng = Rng(ctx.run_id);
+    let mut interval = tokio::time::interval(ctx.tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let started = Instant::now();
+    let (mut sent, mut messages) = (0u64, 0u64);
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => break,
+            _ = interval.tick() => {}
+        }
+        // What is due by now at the offered rate, whatever the tick jitter was.
+        let due = (started.elapsed().as_secs_f64() * ctx.rate as f64) as u64;
+        let published_at = now_us();
+        for k in sent..due {
+            let place = 1 + rng.below(u64::from(ctx.places)) as i64;
+            let n = 1 + rng.below(u64::from(ctx.items));
+            // A price no record had before: always a real change.
+            let price = 1_000_000 + (ctx.run_id << 32 | k) as i64 % 1_000_000_000;
+            let command = Command {
+                key: Some(RecordKey::new(BRAND, place, format!("sku-{place}-{n}"))),
+                kind: CommandKind::Patch as i32,
+                data: Product { price: Some(price), ..Default::default() }.encode_to_vec(),
+                origin: Some(Origin {
+                    source: LOAD_SOURCE.into(),
+                    import_id: format!("live-{}", ctx.run_id),
+                    published_at,
+                }),
+                ..Default::default()
+            };
+            for (p, batch) in batcher.push(command) {
+                publish(&ctx, &mut publisher, &mut messages, p, batch).await?;
+            }
+        }
+        for (p, batch) in batcher.drain() {
+            publish(&ctx, &mut publisher, &mut messages, p, batch).await?;
+        }
+        sent = due.max(sent);
+    }
+    publisher.flush().await?;
+    Ok(sent)
+}
+
+async fn publish(
+    ctx: &LoadCtx,
+    publisher: &mut Publisher,
+    messages: &mut u64,
+    p: shelfsync_bus::Partition,
+    batch: shelfsync_proto::CommandBatch,
+) -> anyhow::Result<()> {
+    let msg_id = format!("live:{}:{messages}", ctx.run_id);
+    *messages += 1;
+    publisher
+        .publish(
+            ctx.subjects.cmd(p),
+            msg_id,
+            msg_type::COMMAND_BATCH,
+            None,
+            batch.encode_to_vec().into(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Asks storage for a keyframe of every place and waits for it.
+pub async fn keyframe(world: &World, storage: &Target, label: &str) -> anyhow::Result<KeyframeRun> {
+    let cpu_before = storage.cpu_seconds();
+    let max_place_before = place_max_us(world, storage).await;
+    let started = Instant::now();
+    let replies = shelfsync_bus::request_keyframe(
+        &world.client,
+        &storage.subjects(),
+        None,
+        storage.settings.storage.replicas,
+        Duration::from_secs(1800),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("keyframe request: {e}"))?;
+    let duration_s = started.elapsed().as_secs_f64();
+    let reply = replies.first().context("no keyframe reply")?;
+    if !reply.error.is_empty() {
+        bail!("keyframe failed: {}", reply.error);
+    }
+    let max_place_after = place_max_us(world, storage).await;
+    Ok(KeyframeRun {
+        longest_place_ms: (max_place_after > max_place_before)
+            .then_some(max_place_after as f64 / 1e3),
+        label: label.into(),
+        places: reply.places,
+        records: reply.records,
+        duration_s,
+        records_per_s: reply.records as f64 / duration_s,
+        storage_cpu_s: storage.cpu_seconds() - cpu_before,
+        live_p99_ms: None,
+        live_baseline_p99_ms: None,
+    })
+}
+
+/// A keyframe of every place, requested one place at a time.
+async fn keyframe_place_by_place(world: &World, storage: &Target) -> anyhow::Result<KeyframeRun> {
+    let cpu_before = storage.cpu_seconds();
+    let started = Instant::now();
+    let (mut records, mut places, mut longest) = (0u64, 0u32, 0f64);
+    for place in 1..=i64::from(world.profile.places) {
+        let one = Instant::now();
+        let replies = shelfsync_bus::request_keyframe(
+            &world.client,
+            &storage.subjects(),
+            Some((BRAND, place)),
+            1,
+            Duration::from_secs(600),
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("keyframe request: {e}"))?;
+        let reply = replies.first().context("no keyframe reply")?;
+        if !reply.error.is_empty() {
+            bail!("keyframe of place {place} failed: {}", reply.error);
+        }
+        longest = longest.max(one.elapsed().as_secs_f64() * 1e3);
+        records += reply.records;
+        places += reply.places;
+    }
+    let duration_s = started.elapsed().as_secs_f64();
+    Ok(KeyframeRun {
+        label: "same, one place at a time (on-demand API)".into(),
+        places,
+        records,
+        duration_s,
+        records_per_s: records as f64 / duration_s,
+        storage_cpu_s: storage.cpu_seconds() - cpu_before,
+        longest_place_ms: Some(longest),
+        live_p99_ms: None,
+        live_baseline_p99_ms: None,
+    })
+}
+
+/// Storage's running maximum of the time one place's snapshot held its partition, µs.
+async fn place_max_us(world: &World, storage: &Target) -> u64 {
+    let stats = storage.stats(world).await.unwrap_or_default();
+    stats.get("keyframe_place_max_us").and_then(serde_json::Value::as_u64).unwrap_or(0)
+}
+
+/// Keyframe idle, the consumer's bootstrap, freshness without a keyframe, and (with
+/// `keyframe_under_load`) a keyframe under the same live load.
+pub async fn run(
+    world: &World,
+    storage: &Target,
+    keyframe_under_load: bool,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let p = &world.profile;
+    let idle = keyframe(world, storage, "idle").await?;
+    eprintln!("[bench] keyframe idle: {} records in {:.1} s", idle.records, idle.duration_s);
+    report.keyframes.push(idle);
+
+    let (consumer, bootstrap) = Consumer::start(world, storage).await?;
+    eprintln!(
+        "[bench] change feed bootstrapped in {bootstrap:.1?} ({} offers indexed)",
+        consumer.index.read().len()
+    );
+    report.feed_bootstrap_s = Some(bootstrap.as_secs_f64());
+
+    // Without a keyframe.
+    let started = now_us();
+    let load = Load::start(world, storage, p.fresh_rate, 1);
+    tokio::time::sleep(p.fresh_run).await;
+    let sent = load.stop().await?;
+    let ended = now_us();
+    let samples = drain(&consumer, sent).await;
+    let warmup = (p.fresh_run.as_micros() as i64 / 4).min(1_000_000);
+    let baseline = freshness(
+        "without a keyframe",
+        p.fresh_rate,
+        sent,
+        &samples,
+        started + warmup,
+        ended,
+        started,
+    );
+    eprintln!("[bench] freshness: {}", baseline.indexed.render());
+    let baseline_p99 = baseline.indexed.p99;
+    report.freshness.push(baseline);
+
+    if keyframe_under_load {
+        let started = now_us();
+        let load = Load::start(world, storage, p.fresh_rate, 2);
+        tokio::time::sleep(p.keyframe_margin).await;
+        let kf_start = now_us();
+        let run = keyframe(world, storage, &format!("under {} changes/s", p.fresh_rate)).await;
+        let kf_end = now_us();
+        tokio::time::sleep(p.keyframe_margin).await;
+        let sent = load.stop().await?;
+        let mut run = run?;
+        let samples = drain(&consumer, sent).await;
+        let during =
+            freshness("during a keyframe", p.fresh_rate, sent, &samples, kf_start, kf_end, started);
+        eprintln!(
+            "[bench] keyframe under load: {:.1} s; freshness during it: {}",
+            run.duration_s,
+            during.indexed.render()
+        );
+        run.live_p99_ms = Some(during.indexed.p99);
+        run.live_baseline_p99_ms = Some(baseline_p99);
+        report.keyframes.push(run);
+        report.freshness.push(during);
+
+        // The same records, one place per request (the on-demand API): what storage would do
+        // with at most one place snapshot at a time per replica. An experiment, not a target.
+        let started = now_us();
+        let load = Load::start(world, storage, p.fresh_rate, 4);
+        tokio::time::sleep(p.keyframe_margin).await;
+        let kf_start = now_us();
+        let run = keyframe_place_by_place(world, storage).await;
+        let kf_end = now_us();
+        tokio::time::sleep(p.keyframe_margin).await;
+        let sent = load.stop().await?;
+        let mut run = run?;
+        let samples = drain(&consumer, sent).await;
+        let during = freshness(
+            "during a place-by-place keyframe",
+            p.fresh_rate,
+            sent,
+            &samples,
+            kf_start,
+            kf_end,
+            started,
+        );
+        eprintln!(
+            "[bench] keyframe place by place under load: {:.1} s; freshness during it: {}",
+            run.duration_s,
+            during.indexed.render()
+        );
+        run.live_p99_ms = Some(during.indexed.p99);
+        run.live_baseline_p99_ms = Some(baseline_p99);
+        report.keyframes.push(run);
+        report.freshness.push(during);
+    }
+    let drift = shelfsync_feed::FeedStatus::get(&consumer.status.drift_repairs);
+    let checks = shelfsync_feed::FeedStatus::get(&consumer.status.keyframe_checks);
+    report.notes.push(format!(
+        "ChangeFeed consumer: {checks} keyframe digest checks, {drift} drift repairs (0 expected)."
+    ));
+    consumer.stop().await;
+    Ok(())
+}
+
+/// Waits (at most 60 s) until every published change was timed; returns the samples.
+async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (consumer.sample_count() as u64) < sent && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    consumer.take_samples()
+}
+
+/// Latencies of the samples published in `[from, to]` µs.
+fn freshness(
+    label: &str,
+    rate: u64,
+    sent: u64,
+    samples: &[Sample],
+    from: i64,
+    to: i64,
+    load_started: i64,
+) -> FreshnessRun {
+    let window: Vec<&Sample> =
+        samples.iter().filter(|s| (from..=to).contains(&s.published)).collect();
+    let ms =
+        |f: fn(&Sample) -> i64| -> Vec<f64> { window.iter().map(|s| f(s) as f64 / 1e3).collect() };
+    let load_s = (to.max(from) - load_started) as f64 / 1e6;
+    FreshnessRun {
+        label: label.into(),
+        offered_per_s: rate as f64,
+        published: sent,
+        received: samples.len() as u64,
+        window_s: (to - from) as f64 / 1e6,
+        load_s,
+        arrival: Percentiles::of(ms(|s| s.arrived - s.published), "ms"),
+        indexed: Percentiles::of(ms(|s| s.indexed - s.published), "ms"),
+    }
+}

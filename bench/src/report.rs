@@ -1,0 +1,718 @@
+//! What a run found: the data (`bench.json`), the tables (`bench.md`, also printed), and the
+//! DESIGN §7 targets checked against same-run references.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::measure::RedisInfo;
+use crate::profile::Profile;
+use crate::stats::{Percentiles, fmt_num};
+use crate::world::World;
+
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub profile: String,
+    pub started_at: String,
+    pub duration_s: f64,
+    pub machine: Machine,
+    pub records: u64,
+    pub places: u32,
+    pub partitions: u32,
+    pub imports: Vec<ImportRow>,
+    pub redis_memory: Option<RedisMemory>,
+    pub keyframes: Vec<KeyframeRun>,
+    pub feed_bootstrap_s: Option<f64>,
+    pub freshness: Vec<FreshnessRun>,
+    pub rss: Vec<RssRow>,
+    pub recommender: Option<RecommenderRun>,
+    pub targets: Vec<TargetCheck>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Machine {
+    pub cpu_model: String,
+    pub cores: usize,
+    pub memory_gb: f64,
+    pub kernel: String,
+    pub nats_server: String,
+    pub redis_server: String,
+    pub commit: String,
+}
+
+/// One import, end to end, into one system.
+#[derive(Debug, Default, Serialize)]
+pub struct ImportRow {
+    pub scenario: String,
+    /// `shelfsync`, `floor` or `naive`.
+    pub system: String,
+    pub records: u64,
+    pub raw_bytes: u64,
+    /// CommandBatch payload bytes ingest published.
+    pub command_bytes: u64,
+    /// Ingest alone: parse, batch, publish, acked.
+    pub import_s: f64,
+    pub e2e_s: f64,
+    pub records_per_s: f64,
+    pub raw_mb_per_s: f64,
+    /// Records/s over the floor's records/s in the same scenario.
+    pub vs_floor: Option<f64>,
+    pub ingest_cpu_s_per_m: f64,
+    /// The applying process: storage, the floor or the naive loop.
+    pub apply_cpu_s_per_m: f64,
+    pub redis_cpu_s_per_m: f64,
+    pub nats_cpu_s_per_m: Option<f64>,
+    pub changes: u64,
+    pub expected_changes: u64,
+    pub change_bytes: u64,
+    /// Change bytes out over raw bytes in.
+    pub out_over_in: f64,
+    /// Keys modified in Redis (hash fields, list elements, ...).
+    pub redis_writes: u64,
+    pub redis_bytes_in: u64,
+}
+
+impl ImportRow {
+    pub fn summary(&self) -> String {
+        format!(
+            "{} / {}: {} records in {:.2} s e2e ({:.0}/s), {} changes, out/in {:.2}%, {} Redis writes",
+            self.scenario,
+            self.system,
+            self.records,
+            self.e2e_s,
+            self.records_per_s,
+            self.changes,
+            self.out_over_in * 100.0,
+            self.redis_writes
+        )
+    }
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct RedisMemory {
+    pub records: u64,
+    pub used_memory_before: u64,
+    pub used_memory_after: u64,
+    pub bytes_per_record: f64,
+    pub dataset_bytes_per_record: f64,
+    /// `MEMORY USAGE` of one place's keys, per record of the place: (key, bytes per record).
+    pub per_key_type: Vec<(String, f64)>,
+}
+
+impl RedisMemory {
+    pub fn between(before: &RedisInfo, after: &RedisInfo, records: u64) -> RedisMemory {
+        let n = records.max(1) as f64;
+        RedisMemory {
+            records,
+            used_memory_before: before.num("used_memory") as u64,
+            used_memory_after: after.num("used_memory") as u64,
+            bytes_per_record: (after.num("used_memory") - before.num("used_memory")) / n,
+            dataset_bytes_per_record: (after.num("used_memory_dataset")
+                - before.num("used_memory_dataset"))
+                / n,
+            per_key_type: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct KeyframeRun {
+    pub label: String,
+    pub places: u32,
+    pub records: u64,
+    pub duration_s: f64,
+    pub records_per_s: f64,
+    pub storage_cpu_s: f64,
+    /// Longest time one place's snapshot held its partition (storage's counter), when it grew.
+    pub longest_place_ms: Option<f64>,
+    /// Freshness p99 (index updated) of changes published during the keyframe, ms.
+    pub live_p99_ms: Option<f64>,
+    /// The same without a keyframe, ms.
+    pub live_baseline_p99_ms: Option<f64>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct FreshnessRun {
+    pub label: String,
+    pub offered_per_s: f64,
+    pub published: u64,
+    pub received: u64,
+    /// Changes published in this window are the samples.
+    pub window_s: f64,
+    pub load_s: f64,
+    /// Ingest publish → the ChangeFeed kit hands the change to the consumer.
+    pub arrival: Percentiles,
+    /// Ingest publish → the recommender index holds it.
+    pub indexed: Percentiles,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct RssRow {
+    pub dump_mb: f64,
+    pub items: u64,
+    pub peak_rss_mb: f64,
+    pub rss_at_start_mb: f64,
+    pub import_s: f64,
+    pub items_per_s: f64,
+    pub mb_per_s: f64,
+    pub cpu_s: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct RecommenderRun {
+    pub offers: u64,
+    pub bootstrap_s: f64,
+    pub query_idle: Percentiles,
+    pub query_live: Percentiles,
+    pub http: Vec<HttpRun>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct HttpRun {
+    pub tool: String,
+    pub connections: usize,
+    pub seconds: f64,
+    pub requests: u64,
+    pub errors: u64,
+    pub requests_per_s: f64,
+    pub latency: Option<Percentiles>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct TargetCheck {
+    pub target: String,
+    pub measured: String,
+    /// None: not measured in this run.
+    pub holds: Option<bool>,
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+fn command_line(program: &str, args: &[&str]) -> String {
+    std::process::Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+impl Machine {
+    async fn describe(world: &World) -> Machine {
+        let cpuinfo = read_trimmed("/proc/cpuinfo");
+        let meminfo = read_trimmed("/proc/meminfo");
+        let mem_kb: f64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        let nats = shelfsync_testkit::nats_server_bin()
+            .map(|bin| command_line(&bin.to_string_lossy(), &["--version"]))
+            .unwrap_or_default();
+        let redis = world.redis_info().await.map(|i| i.text("redis_version")).unwrap_or_default();
+        Machine {
+            cpu_model: cpuinfo
+                .lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+                .unwrap_or_default(),
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            memory_gb: mem_kb / 1024.0 / 1024.0,
+            kernel: read_trimmed("/proc/sys/kernel/osrelease"),
+            nats_server: nats,
+            redis_server: redis,
+            commit: command_line("git", &["describe", "--always", "--dirty"]),
+        }
+    }
+}
+
+impl Report {
+    pub async fn new(profile: &Profile, world: &World) -> Report {
+        Report {
+            profile: profile.name.into(),
+            started_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            machine: Machine::describe(world).await,
+            records: profile.records(),
+            places: profile.places,
+            partitions: profile.partitions,
+            ..Default::default()
+        }
+    }
+
+    /// Fills `vs_floor` of every row from the floor row of its scenario.
+    pub fn link_floor(&mut self) {
+        let floors: Vec<(String, f64)> = self
+            .imports
+            .iter()
+            .filter(|r| r.system == "floor")
+            .map(|r| (r.scenario.clone(), r.records_per_s))
+            .collect();
+        for row in &mut self.imports {
+            if let Some((_, f)) = floors.iter().find(|(s, _)| *s == row.scenario) {
+                row.vs_floor = Some(row.records_per_s / f);
+            }
+        }
+    }
+
+    fn row(&self, scenario: &str, system: &str) -> Option<&ImportRow> {
+        self.imports.iter().find(|r| r.scenario == scenario && r.system == system)
+    }
+
+    pub fn finish(&mut self, took: Duration) {
+        self.duration_s = took.as_secs_f64();
+        self.targets = self.check_targets();
+    }
+
+    /// DESIGN §7, each against its same-run reference.
+    fn check_targets(&self) -> Vec<TargetCheck> {
+        let mut out = Vec::new();
+        let mut push = |target: &str, measured: String, holds: Option<bool>| {
+            out.push(TargetCheck { target: target.into(), measured, holds });
+        };
+        let churn: Vec<&ImportRow> = ["re-import, 1% churn", "re-import, 1% churn back"]
+            .iter()
+            .filter_map(|s| self.row(s, "shelfsync"))
+            .collect();
+        let ratios: Vec<f64> = churn.iter().filter_map(|r| r.vs_floor).collect();
+        if ratios.is_empty() {
+            push(
+                "re-import with 1% churn, end to end ≥ 50% of the floor",
+                "not measured".into(),
+                None,
+            );
+        } else {
+            let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+            let each: Vec<String> = ratios.iter().map(|r| format!("{:.0}%", r * 100.0)).collect();
+            push(
+                "re-import with 1% churn, end to end ≥ 50% of the floor",
+                format!("{:.0}% of the floor (runs: {})", mean * 100.0, each.join(", ")),
+                Some(mean >= 0.5),
+            );
+        }
+        match self.row("identical re-import", "shelfsync") {
+            Some(r) => push(
+                "identical re-import emits 0 changes",
+                format!("{} changes", r.changes),
+                Some(r.changes == 0),
+            ),
+            None => push("identical re-import emits 0 changes", "not measured".into(), None),
+        }
+        let exact: Vec<String> = self
+            .imports
+            .iter()
+            .filter(|r| r.system == "shelfsync")
+            .map(|r| format!("{}: {}/{}", r.scenario, r.changes, r.expected_changes))
+            .collect();
+        if !exact.is_empty() {
+            let all = self
+                .imports
+                .iter()
+                .filter(|r| r.system == "shelfsync")
+                .all(|r| r.changes == r.expected_changes);
+            push(
+                "exactly one change per real transition (changes/expected)",
+                exact.join("; "),
+                Some(all),
+            );
+        }
+        match churn.first() {
+            Some(r) => {
+                let naive = self
+                    .row(&r.scenario, "naive")
+                    .map_or(String::new(), |n| format!(" (naive: {:.0}%)", n.out_over_in * 100.0));
+                push(
+                    "change bytes out / raw bytes in ≤ 2% at 1% churn",
+                    format!("{:.2}%{naive}", r.out_over_in * 100.0),
+                    Some(r.out_over_in <= 0.02),
+                );
+            }
+            None => push(
+                "change bytes out / raw bytes in ≤ 2% at 1% churn",
+                "not measured".into(),
+                None,
+            ),
+        }
+        if self.rss.is_empty() {
+            push("ingest peak RSS < 64 MB (100 MB and 1 GB dumps)", "not measured".into(), None);
+        }
+        for r in &self.rss {
+            push(
+                &format!("ingest peak RSS < 64 MB ({:.0} MB dump)", r.dump_mb),
+                format!("{:.1} MB", r.peak_rss_mb),
+                Some(r.peak_rss_mb < 64.0),
+            );
+        }
+        match self.freshness.iter().find(|f| f.label == "without a keyframe") {
+            Some(f) => push(
+                &format!(
+                    "freshness p99 < 50 ms at {} changes/s (publish → index)",
+                    fmt_num(f.offered_per_s)
+                ),
+                format!(
+                    "p99 {} ms (arrival p99 {} ms)",
+                    fmt_num(f.indexed.p99),
+                    fmt_num(f.arrival.p99)
+                ),
+                Some(f.indexed.samples > 0 && f.indexed.p99 < 50.0 && f.received >= f.published),
+            ),
+            None => push("freshness p99 < 50 ms at 5k changes/s", "not measured".into(), None),
+        }
+        match self
+            .keyframes
+            .iter()
+            .find(|k| k.live_p99_ms.is_some() && k.label.starts_with("under"))
+        {
+            Some(k) => {
+                push(
+                    &format!("keyframe of {} records < 30 s", k.records),
+                    format!("{:.1} s under load ({:.0} records/s)", k.duration_s, k.records_per_s),
+                    Some(k.duration_s < 30.0),
+                );
+                let (during, base) =
+                    (k.live_p99_ms.unwrap_or(0.0), k.live_baseline_p99_ms.unwrap_or(0.0));
+                push(
+                    "live freshness p99 during a keyframe < 2× without",
+                    format!(
+                        "{} ms vs {} ms ({:.1}×)",
+                        fmt_num(during),
+                        fmt_num(base),
+                        during / base.max(1e-9)
+                    ),
+                    Some(during < 2.0 * base),
+                );
+            }
+            None => push("keyframe < 30 s with live p99 under 2×", "not measured".into(), None),
+        }
+        match &self.recommender {
+            Some(r) => push(
+                "recommender top-N p99 < 1 ms in-process",
+                format!(
+                    "p99 {} µs idle, {} µs under live load",
+                    fmt_num(r.query_idle.p99),
+                    fmt_num(r.query_live.p99)
+                ),
+                Some(r.query_idle.p99 < 1000.0),
+            ),
+            None => push("recommender top-N p99 < 1 ms in-process", "not measured".into(), None),
+        }
+        out
+    }
+
+    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
+        std::fs::write(dir.join("bench.json"), serde_json::to_string_pretty(self)?)?;
+        std::fs::write(dir.join("bench.md"), self.markdown())?;
+        Ok(())
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut md = String::new();
+        let m = &self.machine;
+        let _ =
+            writeln!(md, "## shelfsync-bench — profile `{}`, {}\n", self.profile, self.started_at);
+        let _ = writeln!(
+            md,
+            "Machine: {} × {} cores, {:.0} GB RAM, Linux {}; {}; Redis {}; commit `{}`. \
+             {} records in {} places, {} partitions; run took {:.0} s.\n",
+            m.cores,
+            m.cpu_model,
+            m.memory_gb,
+            m.kernel,
+            m.nats_server,
+            m.redis_server,
+            m.commit,
+            self.records,
+            self.places,
+            self.partitions,
+            self.duration_s
+        );
+        self.md_imports(&mut md);
+        self.md_live(&mut md);
+        self.md_rss(&mut md);
+        self.md_recommender(&mut md);
+        let _ =
+            writeln!(md, "### Targets (DESIGN §7)\n\n| target | measured | holds |\n|---|---|---|");
+        for t in &self.targets {
+            let verdict = match t.holds {
+                Some(true) => "yes",
+                Some(false) => "**NO**",
+                None => "—",
+            };
+            let _ = writeln!(md, "| {} | {} | {} |", t.target, t.measured, verdict);
+        }
+        for n in &self.notes {
+            let _ = writeln!(md, "\n{n}");
+        }
+        md
+    }
+
+    fn md_imports(&self, md: &mut String) {
+        if self.imports.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            md,
+            "### Re-imports, end to end (import start → applied)\n\n\
+             | scenario | system | records/s | raw MB/s | e2e s | vs floor | CPU s / 1M: ingest | apply | Redis | NATS | changes (expected) | change bytes / raw | Redis writes |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.imports {
+            let vs = r.vs_floor.map_or("—".into(), |v| format!("{:.0}%", v * 100.0));
+            let nats = r.nats_cpu_s_per_m.map_or("—".into(), fmt_num);
+            let changes = if r.system == "shelfsync" {
+                format!("{} ({})", r.changes, r.expected_changes)
+            } else {
+                r.changes.to_string()
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}% | {} |",
+                r.scenario,
+                r.system,
+                fmt_num(r.records_per_s),
+                fmt_num(r.raw_mb_per_s),
+                fmt_num(r.e2e_s),
+                vs,
+                fmt_num(r.ingest_cpu_s_per_m),
+                fmt_num(r.apply_cpu_s_per_m),
+                fmt_num(r.redis_cpu_s_per_m),
+                nats,
+                changes,
+                r.out_over_in * 100.0,
+                r.redis_writes
+            );
+        }
+        let scenarios: Vec<&str> = {
+            let mut s: Vec<&str> = self.imports.iter().map(|r| r.scenario.as_str()).collect();
+            s.dedup();
+            s
+        };
+        let mut naive_lines = Vec::new();
+        for s in scenarios {
+            if let (Some(ours), Some(naive)) = (self.row(s, "shelfsync"), self.row(s, "naive")) {
+                naive_lines.push(format!(
+                    "| {s} | {} | {} | {} | {} | {} |",
+                    ratio(naive.change_bytes, ours.change_bytes),
+                    ratio(naive.redis_writes, ours.redis_writes),
+                    ratio(naive.redis_bytes_in, ours.redis_bytes_in),
+                    format_args!("{:.1}%", naive.out_over_in * 100.0),
+                    format_args!("{:.2}%", ours.out_over_in * 100.0),
+                ));
+            }
+        }
+        if !naive_lines.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nThe naive way (rewrite and republish every record) against shelfsync, same dumps:\n\n\
+                 | scenario | bytes out naive / shelfsync | Redis writes naive / shelfsync | bytes to Redis naive / shelfsync | naive out / raw in | shelfsync out / raw in |\n\
+                 |---|---:|---:|---:|---:|---:|"
+            );
+            for l in naive_lines {
+                let _ = writeln!(md, "{l}");
+            }
+        }
+        if let Some(mem) = &self.redis_memory {
+            let _ = writeln!(
+                md,
+                "\nRedis memory: {:.0} bytes per record (`used_memory` delta over {} records; dataset {:.0} bytes per record).",
+                mem.bytes_per_record, mem.records, mem.dataset_bytes_per_record
+            );
+            if !mem.per_key_type.is_empty() {
+                let parts: Vec<String> =
+                    mem.per_key_type.iter().map(|(k, b)| format!("{k} {b:.0}")).collect();
+                let _ = writeln!(
+                    md,
+                    "By key type (`MEMORY USAGE` of place 1, bytes per record): {}.",
+                    parts.join(", ")
+                );
+            }
+        }
+        let _ = writeln!(md);
+    }
+
+    fn md_live(&self, md: &mut String) {
+        if !self.keyframes.is_empty() {
+            let _ = writeln!(
+                md,
+                "### Keyframes\n\n| keyframe | records | places | duration s | records/s | storage CPU s | longest place snapshot ms | live p99 during / without |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+            );
+            for k in &self.keyframes {
+                let live = match (k.live_p99_ms, k.live_baseline_p99_ms) {
+                    (Some(d), Some(b)) => format!("{} / {} ms", fmt_num(d), fmt_num(b)),
+                    _ => "—".into(),
+                };
+                let longest = k.longest_place_ms.map_or("≤ previous".into(), fmt_num);
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    k.label,
+                    k.records,
+                    k.places,
+                    fmt_num(k.duration_s),
+                    fmt_num(k.records_per_s),
+                    fmt_num(k.storage_cpu_s),
+                    longest,
+                    live
+                );
+            }
+            if let Some(b) = self.feed_bootstrap_s {
+                let _ = writeln!(
+                    md,
+                    "\nChangeFeed consumer bootstrap from the idle keyframe: {} s.",
+                    fmt_num(b)
+                );
+            }
+            let _ = writeln!(md);
+        }
+        if !self.freshness.is_empty() {
+            let _ = writeln!(
+                md,
+                "### Freshness (ingest publish → ChangeFeed consumer → recommender index)\n\n\
+                 | run | offered /s | changes timed / published | window s | publish → consumer | publish → index updated |\n|---|---:|---:|---:|---|---|"
+            );
+            for f in &self.freshness {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} / {} | {} | {} | {} |",
+                    f.label,
+                    fmt_num(f.offered_per_s),
+                    f.received,
+                    f.published,
+                    fmt_num(f.window_s),
+                    f.arrival.render(),
+                    f.indexed.render()
+                );
+            }
+            let _ = writeln!(md);
+        }
+    }
+
+    fn md_rss(&self, md: &mut String) {
+        if self.rss.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            md,
+            "### Ingest memory (import in a child process)\n\n| dump MB | items | peak RSS MB | RSS at start MB | import s | items/s | MB/s | CPU s |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.rss {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                fmt_num(r.dump_mb),
+                r.items,
+                fmt_num(r.peak_rss_mb),
+                fmt_num(r.rss_at_start_mb),
+                fmt_num(r.import_s),
+                fmt_num(r.items_per_s),
+                fmt_num(r.mb_per_s),
+                fmt_num(r.cpu_s)
+            );
+        }
+        let _ = writeln!(md);
+    }
+
+    fn md_recommender(&self, md: &mut String) {
+        let Some(r) = &self.recommender else { return };
+        let _ = writeln!(
+            md,
+            "### Recommender\n\n{} offers indexed, bootstrapped from the keyframe in {} s.\n\n\
+             | measurement | result |\n|---|---|\n\
+             | top-10 in-process (`Api::top`), idle | {} |\n\
+             | top-10 in-process, index updated at the live rate | {} |",
+            r.offers,
+            fmt_num(r.bootstrap_s),
+            r.query_idle.render(),
+            r.query_live.render()
+        );
+        for h in &r.http {
+            let lat = h.latency.as_ref().map_or(String::new(), |l| format!(", {}", l.render()));
+            let _ = writeln!(
+                md,
+                "| HTTP `GET /v1/top`, {} connections, {} | {} req/s ({} requests, {} errors{}) |",
+                h.connections,
+                h.tool,
+                fmt_num(h.requests_per_s),
+                h.requests,
+                h.errors,
+                lat
+            );
+        }
+        let _ = writeln!(md);
+    }
+}
+
+fn ratio(a: u64, b: u64) -> String {
+    if b == 0 {
+        if a == 0 { "—".into() } else { "∞".into() }
+    } else {
+        format!("{}×", fmt_num(a as f64 / b as f64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(scenario: &str, system: &str, rps: f64, changes: u64) -> ImportRow {
+        ImportRow {
+            scenario: scenario.into(),
+            system: system.into(),
+            records: 1000,
+            raw_bytes: 240_000,
+            records_per_s: rps,
+            changes,
+            expected_changes: changes,
+            // 1% of 1000 records at 400 bytes each: 1.67% of the raw bytes.
+            change_bytes: changes * 400,
+            out_over_in: changes as f64 * 400.0 / 240_000.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn targets_compare_against_the_same_run_floor() {
+        let mut r = Report {
+            imports: vec![
+                row("identical re-import", "shelfsync", 100.0, 0),
+                row("re-import, 1% churn", "shelfsync", 60.0, 10),
+                row("re-import, 1% churn", "floor", 100.0, 0),
+                row("re-import, 1% churn", "naive", 50.0, 1000),
+            ],
+            ..Default::default()
+        };
+        r.link_floor();
+        r.finish(Duration::from_secs(1));
+        let t = |name: &str| r.targets.iter().find(|t| t.target.starts_with(name)).expect(name);
+        assert_eq!(t("re-import with 1% churn").holds, Some(true));
+        assert!(t("re-import with 1% churn").measured.starts_with("60%"));
+        assert_eq!(t("identical re-import").holds, Some(true));
+        assert_eq!(t("change bytes out").holds, Some(true));
+        assert_eq!(t("freshness").holds, None);
+
+        let md = r.markdown();
+        assert!(md.contains("| re-import, 1% churn | shelfsync | 60.0 |"), "{md}");
+        assert!(md.contains("naive / shelfsync"), "{md}");
+        assert!(md.contains("| 100× |") || md.contains("100×"), "{md}");
+    }
+
+    #[test]
+    fn a_slow_churn_import_misses_its_target() {
+        let mut r = Report {
+            imports: vec![
+                row("re-import, 1% churn", "shelfsync", 40.0, 10),
+                row("re-import, 1% churn", "floor", 100.0, 0),
+            ],
+            ..Default::default()
+        };
+        r.link_floor();
+        r.finish(Duration::from_secs(1));
+        assert_eq!(r.targets[0].holds, Some(false));
+        assert!(r.markdown().contains("**NO**"));
+    }
+}

@@ -1,0 +1,141 @@
+//! The servers of one run and what every scenario needs from them: settings for a system
+//! (its own prefix, key namespace and Redis db, so storage, the floor and the naive loop share
+//! the servers and nothing else), the environment a child reads them from, stream helpers.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use async_nats::jetstream;
+use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
+use shelfsync_testkit::{NatsServer, RedisServer};
+
+use crate::measure::{self, RedisInfo};
+use crate::profile::Profile;
+
+/// Brand of every generated feed.
+pub const BRAND: i64 = 7;
+
+pub struct World {
+    pub nats: NatsServer,
+    pub redis: RedisServer,
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    info_conn: redis::aio::MultiplexedConnection,
+    nats_pid: Option<u32>,
+    pub profile: Profile,
+    pub work: PathBuf,
+}
+
+/// `<target dir>/bench-work/run-<pid>`, the target dir being where this binary was built: one
+/// dir per run, so that runs sharing a target dir (CI jobs) never delete each other's dumps.
+pub fn default_work_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    // target/<profile>/shelfsync-bench → target/
+    let target = exe.parent().and_then(Path::parent).context("executable has no target dir")?;
+    Ok(target.join("bench-work").join(format!("run-{}", std::process::id())))
+}
+
+impl World {
+    pub async fn start(profile: Profile, work: PathBuf) -> anyhow::Result<World> {
+        std::fs::create_dir_all(&work)
+            .with_context(|| format!("creating the work dir {}", work.display()))?;
+        let (nats, redis) = tokio::try_join!(NatsServer::start(), RedisServer::start())
+            .context("starting nats-server and redis-server (see shelfsync-testkit)")?;
+        let client = async_nats::connect(nats.url()).await.context("connecting to NATS")?;
+        let js =
+            jetstream::ContextBuilder::new().timeout(Duration::from_secs(30)).build(client.clone());
+        let info_conn = redis::Client::open(redis.url())?
+            .get_multiplexed_async_connection()
+            .await
+            .context("connecting to Redis")?;
+        let nats_pid = measure::child_pid("nats-server");
+        Ok(World { nats, redis, client, js, info_conn, nats_pid, profile, work })
+    }
+
+    /// Settings of one system under test: subjects and streams under `prefix`, keys under the
+    /// same namespace in Redis db `db`.
+    pub fn settings(&self, prefix: &str, db: u8) -> Settings {
+        let mut s = Settings::default();
+        s.nats.url = self.nats.url();
+        s.nats.prefix = prefix.to_string();
+        s.redis.url = format!("{}/{db}", self.redis.url());
+        s.redis.namespace = prefix.to_string();
+        s.storage.partitions = self.profile.partitions;
+        // Keyframes only when a scenario asks for one.
+        s.storage.keyframe_schedule = String::new();
+        s.storage.ack_wait = Duration::from_secs(60);
+        s.telemetry.log_level = "warn".into();
+        s
+    }
+
+    pub async fn provision(&self, settings: &Settings) -> anyhow::Result<()> {
+        shelfsync_bus::provision(&self.js, settings).await.context("provisioning streams")
+    }
+
+    pub async fn redis_info(&self) -> anyhow::Result<RedisInfo> {
+        RedisInfo::fetch(&mut self.info_conn.clone()).await
+    }
+
+    /// CPU seconds of the nats-server child so far (None if it could not be found).
+    pub fn nats_cpu(&self) -> Option<f64> {
+        measure::cpu_seconds(self.nats_pid?)
+    }
+
+    pub async fn flush_db(&self, db: u8) -> anyhow::Result<()> {
+        let mut conn = redis::Client::open(format!("{}/{db}", self.redis.url()))?
+            .get_multiplexed_async_connection()
+            .await?;
+        // ASYNC: freeing millions of keys must not block Redis (or time this client out).
+        let _: () = redis::cmd("FLUSHDB").arg("ASYNC").query_async(&mut conn).await?;
+        Ok(())
+    }
+
+    /// Drops every message of a stream (disk stays bounded across scenarios).
+    pub async fn purge(&self, name: &str) -> anyhow::Result<()> {
+        let stream = self.js.get_stream(name).await?;
+        stream.purge().await.with_context(|| format!("purging {name}"))?;
+        Ok(())
+    }
+}
+
+/// A partner of the generated feeds: `bench` (full dump, every field) or `bench-prices`
+/// (delta feed owning the prices).
+pub fn partner(prices_only: bool) -> PartnerSettings {
+    let (name, kind, fields): (&str, ImportKind, &[&str]) = if prices_only {
+        ("bench-prices", ImportKind::Delta, &["price", "old_price"])
+    } else {
+        ("bench", ImportKind::Full, &shelfsync_proto::product_field::NAMES)
+    };
+    PartnerSettings {
+        name: name.into(),
+        brand_id: BRAND,
+        kind,
+        fields: fields.iter().map(|f| f.to_string()).collect(),
+        source: None,
+        poll_interval: None,
+        format: FeedFormat::Auto,
+        clear_missing: true,
+    }
+}
+
+/// The environment that reproduces `s` for a child process (`SHELFSYNC__SECTION__KEY`).
+pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    vec![
+        ("SHELFSYNC__NATS__URL".into(), s.nats.url.clone()),
+        ("SHELFSYNC__NATS__PREFIX".into(), s.nats.prefix.clone()),
+        ("SHELFSYNC__REDIS__URL".into(), s.redis.url.clone()),
+        ("SHELFSYNC__REDIS__NAMESPACE".into(), s.redis.namespace.clone()),
+        ("SHELFSYNC__STORAGE__PARTITIONS".into(), s.storage.partitions.to_string()),
+        ("SHELFSYNC__STORAGE__ACK_WAIT".into(), ms(s.storage.ack_wait)),
+        ("SHELFSYNC__STORAGE__KEYFRAME_SCHEDULE".into(), s.storage.keyframe_schedule.clone()),
+        ("SHELFSYNC__STORAGE__HTTP_LISTEN".into(), s.storage.http_listen.clone()),
+        ("SHELFSYNC__TELEMETRY__LOG_LEVEL".into(), s.telemetry.log_level.clone()),
+    ]
+}
+
+/// A loopback port free right now (the child binds it a moment later).
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}

@@ -1,0 +1,223 @@
+//! Redis plumbing shared by every shelfsync service that keeps state in Redis
+//! (storage, ingest, aggregator): one connection type for a standalone server
+//! or a Redis Cluster, chosen by config (DESIGN §8, `[redis] cluster`).
+//!
+//! - [`RedisConn`]: connect with the configured URL(s), timeouts and retries;
+//!   use it anywhere a `redis::aio::ConnectionLike` goes (`query_async`,
+//!   pipelines, scripts). Cheap to clone: both variants multiplex one
+//!   connection per node and reconnect on their own.
+//! - [`is_transient`]: whether a failed call is worth retrying later.
+//! - [`key_slot`]: the cluster hash slot of a key, for tests and tools that
+//!   check that a multi-key step stays on one slot.
+//!
+//! It owns no key layout: each service names its keys, and a service that
+//! runs several keys in one step (a pipeline, a MULTI, a Lua script) must give
+//! them one hash tag `{...}`, or Redis Cluster refuses the step with
+//! `CROSSSLOT` (pipelines are refused before they are sent).
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
+use shelfsync_settings::RedisSettings;
+
+/// Number of hash slots of a Redis Cluster.
+pub const SLOTS: u16 = 16384;
+
+/// Longest wait for a TCP connection to one node.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for one reply. A commit of a 1000-record batch is one Lua
+/// call of a few MB and takes milliseconds; this only cuts off a dead peer.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Cluster: a whole request, including retries and MOVED/ASK redirections
+/// while slots move or a replica is promoted (node timeout + election).
+const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// Cluster: retries of a request on connection errors, TRYAGAIN and
+/// CLUSTERDOWN, waiting 100 ms, 200 ms, ... up to 2 s between tries (about
+/// 6 s in all) — the client's defaults wait minutes.
+const CLUSTER_RETRIES: u32 = 6;
+const CLUSTER_RETRY_MIN_MS: u64 = 50;
+const CLUSTER_RETRY_MAX_MS: u64 = 2_000;
+const CLUSTER_RETRY_FACTOR_MS: u64 = 100;
+/// Standalone: longest back-off between reconnection attempts.
+const SINGLE_MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
+
+/// A standalone or cluster connection, chosen by `[redis] cluster`.
+///
+/// On a cluster, each command goes to the master of its key's slot, and a
+/// pipeline to the master of its first key's slot: every key of a pipeline,
+/// transaction or script must share one hash tag.
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl RedisConn {
+    /// Connects to `cfg.url` (standalone) or to the cluster whose nodes
+    /// `cfg.url` lists, comma-separated (any reachable node is enough to
+    /// discover the rest). Fails if no server answers now; later outages are
+    /// ridden through by reconnecting.
+    pub async fn connect(cfg: &RedisSettings) -> RedisResult<RedisConn> {
+        if cfg.cluster {
+            let nodes: Vec<String> = cfg.urls().iter().map(|u| with_scheme(u)).collect();
+            let client = redis::cluster::ClusterClient::builder(nodes)
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(CLUSTER_RETRY_MIN_MS)
+                .max_retry_wait(CLUSTER_RETRY_MAX_MS)
+                .retry_wait_formula(CLUSTER_RETRY_FACTOR_MS, 2)
+                .build()?;
+            Ok(RedisConn::Cluster(client.get_async_connection().await?))
+        } else {
+            let client = redis::Client::open(with_scheme(cfg.url.trim()))?;
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_max_delay(SINGLE_MAX_RECONNECT_DELAY);
+            Ok(RedisConn::Single(client.get_connection_manager_with_config(config).await?))
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisConn::Cluster(_))
+    }
+}
+
+/// `host:port` as printed by `redis-cli --cluster` is accepted for a node.
+fn with_scheme(url: &str) -> String {
+    if url.contains("://") { url.to_string() } else { format!("redis://{url}") }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Worth retrying later — server down or restarting, a timeout, a cluster
+/// failover or resharding in progress — as opposed to an error the same
+/// input will hit again (a script error, a wrong type, `CROSSSLOT`).
+pub fn is_transient(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_unrecoverable_error()
+        || matches!(
+            e.code(),
+            Some(
+                "LOADING"
+                    | "TRYAGAIN"
+                    | "CLUSTERDOWN"
+                    | "MASTERDOWN"
+                    | "BUSY"
+                    | "READONLY"
+                    | "NOAUTH"
+                    | "MOVED"
+                    | "ASK"
+            )
+        )
+}
+
+/// The Redis Cluster hash slot of `key`: CRC16 (XMODEM) of the key's hash tag
+/// — the bytes between the first `{` and the next `}`, if not empty — or of
+/// the whole key, modulo [`SLOTS`].
+pub fn key_slot(key: &[u8]) -> u16 {
+    crc16(hash_tag(key)) % SLOTS
+}
+
+/// The part of `key` that decides its slot.
+pub fn hash_tag(key: &[u8]) -> &[u8] {
+    if let Some(open) = key.iter().position(|&b| b == b'{')
+        && let Some(len) = key[open + 1..].iter().position(|&b| b == b'}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
+    }
+    key
+}
+
+/// CRC16-CCITT (XMODEM: polynomial 0x1021, initial value 0), as Redis
+/// Cluster specifies it.
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn slots_match_redis_cluster_keyslot() {
+        // Values from `redis-cli CLUSTER KEYSLOT <key>` on Redis 7.
+        for (key, slot) in [
+            ("foo", 12182),
+            ("123456789", 12739),
+            ("{user1000}.following", 3443),
+            ("{}a", 10875),
+            ("a{}{b}", 15033),
+            ("{ss:p0}:seq", 5779),
+        ] {
+            assert_eq!(key_slot(key.as_bytes()), slot, "{key}");
+        }
+    }
+
+    #[test]
+    fn hash_tag_is_the_first_non_empty_braced_part() {
+        assert_eq!(hash_tag(b"{ns:p3}:r:7:42"), b"ns:p3");
+        assert_eq!(hash_tag(b"x{a}{b}"), b"a");
+        assert_eq!(hash_tag(b"{}x{a}"), b"{}x{a}");
+        assert_eq!(hash_tag(b"no tag"), b"no tag");
+        assert_eq!(hash_tag(b"{unclosed"), b"{unclosed");
+    }
+
+    #[test]
+    fn node_addresses_get_a_scheme() {
+        assert_eq!(with_scheme("127.0.0.1:7000"), "redis://127.0.0.1:7000");
+        assert_eq!(with_scheme("rediss://h:1"), "rediss://h:1");
+    }
+
+    proptest! {
+        #[test]
+        fn keys_sharing_a_tag_share_a_slot(tag in "[a-z0-9:]{1,12}", a in ".*", b in ".*") {
+            let ka = format!("{{{tag}}}{a}");
+            let kb = format!("{{{tag}}}:{b}");
+            prop_assert_eq!(key_slot(ka.as_bytes()), key_slot(kb.as_bytes()));
+            prop_assert!(key_slot(ka.as_bytes()) < SLOTS);
+        }
+    }
+}
