@@ -405,9 +405,6 @@ async fn nats_over_tls_is_switched_on_by_config() {
 }
 
 #[tokio::test]
-#[ignore = "NOT DONE: Redis TLS — [redis] tls_ca_file/tls_cert_file/tls_key_file exist but \
-            shelfsync_redis::RedisConn::connect ignores them and the redis crate lacks the \
-            tokio-rustls-comp feature (rediss:// fails: 'can't connect with TLS')"]
 async fn redis_over_tls_is_switched_on_by_config() {
     let (_certs, ca, cert, key) = certificates();
     let tls_port = std::net::TcpListener::bind("127.0.0.1:0")

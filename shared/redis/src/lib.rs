@@ -60,9 +60,18 @@ impl RedisConn {
     /// discover the rest). Fails if no server answers now; later outages are
     /// ridden through by reconnecting.
     pub async fn connect(cfg: &RedisSettings) -> RedisResult<RedisConn> {
+        let certs = tls_certificates(cfg)?;
+        if cfg.url.contains("rediss://") {
+            // rustls is built without a default provider: use ring, as NATS does.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         if cfg.cluster {
             let nodes: Vec<String> = cfg.urls().iter().map(|u| with_scheme(u)).collect();
-            let client = redis::cluster::ClusterClient::builder(nodes)
+            let mut builder = redis::cluster::ClusterClient::builder(nodes);
+            if let Some(certs) = certs {
+                builder = builder.certs(certs);
+            }
+            let client = builder
                 .connection_timeout(CONNECT_TIMEOUT)
                 .response_timeout(RESPONSE_TIMEOUT)
                 .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
@@ -73,7 +82,11 @@ impl RedisConn {
                 .build()?;
             Ok(RedisConn::Cluster(client.get_async_connection().await?))
         } else {
-            let client = redis::Client::open(with_scheme(cfg.url.trim()))?;
+            let url = with_scheme(cfg.url.trim());
+            let client = match certs {
+                Some(certs) => redis::Client::build_with_tls(url, certs)?,
+                None => redis::Client::open(url)?,
+            };
             let config = redis::aio::ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(CONNECT_TIMEOUT))
                 .set_response_timeout(Some(RESPONSE_TIMEOUT))
@@ -85,6 +98,35 @@ impl RedisConn {
     pub fn is_cluster(&self) -> bool {
         matches!(self, RedisConn::Cluster(_))
     }
+}
+
+/// The CA and client certificate of `[redis] tls_*`, read from their files
+/// (`None`: plain connection, or TLS trusting the system roots).
+fn tls_certificates(cfg: &RedisSettings) -> RedisResult<Option<redis::TlsCertificates>> {
+    if cfg.tls_ca_file.is_none() && cfg.tls_cert_file.is_none() {
+        return Ok(None);
+    }
+    let read = |what: &str, path: &str| {
+        std::fs::read(path).map_err(|e| {
+            redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "cannot read a Redis TLS file",
+                format!("{what} {path}: {e}"),
+            ))
+        })
+    };
+    let root_cert = match &cfg.tls_ca_file {
+        Some(p) => Some(read("redis.tls_ca_file", p)?),
+        None => None,
+    };
+    let client_tls = match (&cfg.tls_cert_file, &cfg.tls_key_file) {
+        (Some(c), Some(k)) => Some(redis::ClientTlsConfig {
+            client_cert: read("redis.tls_cert_file", c)?,
+            client_key: read("redis.tls_key_file", k)?,
+        }),
+        _ => None,
+    };
+    Ok(Some(redis::TlsCertificates { client_tls, root_cert }))
 }
 
 /// `host:port` as printed by `redis-cli --cluster` is accepted for a node.
