@@ -24,7 +24,8 @@ fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
     }
 }
 
-const ALL: &[&str] = &["title", "category", "price", "old_price", "currency", "stock", "images", "description"];
+const ALL: &[&str] =
+    &["title", "category", "price", "old_price", "currency", "stock", "images", "description"];
 
 struct Pipeline {
     _env: TestEnv,
@@ -47,13 +48,24 @@ async fn start() -> Pipeline {
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
     let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
-    Pipeline { _env: env, h, _storage: storage, importer, settings, dir: tempfile::tempdir().expect("tmp") }
+    Pipeline {
+        _env: env,
+        h,
+        _storage: storage,
+        importer,
+        settings,
+        dir: tempfile::tempdir().expect("tmp"),
+    }
 }
 
 impl Pipeline {
     /// Writes `body` to a file and imports it as `partner`; waits until
     /// storage applied everything.
-    async fn import(&self, partner: &str, body: &str) -> Result<shelfsync_ingest::ImportReport, String> {
+    async fn import(
+        &self,
+        partner: &str,
+        body: &str,
+    ) -> Result<shelfsync_ingest::ImportReport, String> {
         let path = self.dir.path().join(format!("{partner}-{}.json", now_us()));
         std::fs::write(&path, body).expect("write feed");
         let p = self.settings.partner(partner).expect("partner").clone();
@@ -97,12 +109,19 @@ async fn identical_reimport_emits_nothing_and_one_percent_churn_exactly_the_chan
     assert_eq!(p.h.changes().await.unwrap().len(), 1000);
 
     p.import("full", &dump(&places, 500, base)).await.expect("re-import");
-    assert_eq!(p.h.changes().await.unwrap().len(), 1000, "an identical re-import emits zero changes");
+    assert_eq!(
+        p.h.changes().await.unwrap().len(),
+        1000,
+        "an identical re-import emits zero changes"
+    );
 
     // 1%: every 100th item of each place gets a new price.
     let churned = |i: usize| i % 100 == 42;
     let r = p
-        .import("full", &dump(&places, 500, |pl, i| if churned(i) { 99 + base(pl, i) } else { base(pl, i) }))
+        .import(
+            "full",
+            &dump(&places, 500, |pl, i| if churned(i) { 99 + base(pl, i) } else { base(pl, i) }),
+        )
         .await
         .expect("churn");
     let all = p.h.changes().await.unwrap();
@@ -138,7 +157,11 @@ async fn price_and_stock_feeds_glue_into_one_record_and_zero_is_a_value() {
     assert_eq!(product.stock, Some(0), "stock 0 is a value");
     assert_eq!(product.images.len(), 1, "the stock feed did not clear content");
     let r2 = decode_product(&p.h.get(BRAND, 1, "sku-2").await.unwrap().unwrap().data);
-    assert_eq!((r2.price, r2.stock), (Some(500), Some(9)), "the stock feed did not clear the price");
+    assert_eq!(
+        (r2.price, r2.stock),
+        (Some(500), Some(9)),
+        "the stock feed did not clear the price"
+    );
     // A delta does not move generations, so it cannot save or sweep anything.
     assert!(!p.h.get(BRAND, 1, "sku-0").await.unwrap().unwrap().absent);
 }

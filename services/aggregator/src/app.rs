@@ -52,9 +52,10 @@ impl App {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         shelfsync_bus::provision(&js, &settings).await?;
-        let aggregator = Aggregator::connect(&settings, client.clone())
-            .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
+        let aggregator =
+            Aggregator::connect(&settings, client.clone()).await.with_context(|| {
+                format!("cannot connect to Redis at {}", settings.redis.url_redacted())
+            })?;
         let listen = &settings.aggregator.http_listen;
         let http = tokio::net::TcpListener::bind(listen)
             .await

@@ -71,9 +71,9 @@ impl Importer {
         shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-ingest", retry).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        let state = State::connect(&settings.redis)
-            .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
+        let state = State::connect(&settings.redis).await.with_context(|| {
+            format!("cannot connect to Redis at {}", settings.redis.url_redacted())
+        })?;
         // reqwest is built without a default crypto provider; install ours
         // (an error only means one is installed already).
         let _ = rustls::crypto::ring::default_provider().install_default();

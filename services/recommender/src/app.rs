@@ -45,7 +45,9 @@ impl App {
         crate::http::describe_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-recommender", true)
             .await
-            .with_context(|| format!("cannot connect to NATS at {}", settings.nats.url_redacted()))?;
+            .with_context(|| {
+                format!("cannot connect to NATS at {}", settings.nats.url_redacted())
+            })?;
         let listen = &settings.recommender.http_listen;
         let http = tokio::net::TcpListener::bind(listen)
             .await

@@ -103,9 +103,9 @@ impl App {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-storage", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         shelfsync_bus::provision(&js, &settings).await?;
-        let store = Store::connect(&settings.redis)
-            .await
-            .with_context(|| format!("cannot connect to Redis at {}", settings.redis.url_redacted()))?;
+        let store = Store::connect(&settings.redis).await.with_context(|| {
+            format!("cannot connect to Redis at {}", settings.redis.url_redacted())
+        })?;
         let http = tokio::net::TcpListener::bind(&settings.storage.http_listen)
             .await
             .with_context(|| format!("cannot listen on {}", settings.storage.http_listen))?;

@@ -133,7 +133,8 @@ impl Validator {
         self.publisher.flush().await.map_err(transient)?;
         self.stats.hides.fetch_add(hides, Ordering::Relaxed);
         self.stats.unhides.fetch_add(unhides, Ordering::Relaxed);
-        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "hide").increment(hides);
+        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "hide")
+            .increment(hides);
         metrics::counter!("shelfsync_validator_decisions_total", "decision" => "unhide")
             .increment(unhides);
         self.stats.duplicates.fetch_add(self.publisher.duplicates - before, Ordering::Relaxed);

@@ -8,13 +8,13 @@
 //! decoding, so they are listed under `unknown_data_fields` /
 //! `unknown_state_fields` instead of vanishing silently.
 
-use chrono::{DateTime, SecondsFormat};
-use prost::Message;
-use serde_json::{Map, Value, json};
 use crate::{
     Change, ChangeKind, Command, CommandKind, KeyframeMark, Origin, Product, Record, RecordKey,
     RecordState, Rejection, product_field,
 };
+use chrono::{DateTime, SecondsFormat};
+use prost::Message;
+use serde_json::{Map, Value, json};
 
 /// Names of `RecordState` fields by number (1-based).
 const STATE_FIELD_NAMES: [&str; 4] = ["hidden", "reasons", "decided_by", "decided_at"];

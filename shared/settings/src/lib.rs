@@ -770,7 +770,10 @@ source = "https://partner.example/feed.json"
     fn urls_are_redacted_for_logs() {
         assert_eq!(redact_url("redis://app:s3cret@h:6379"), "redis://app:***@h:6379");
         assert_eq!(redact_url("redis://:s3cret@h:6379/0"), "redis://:***@h:6379/0");
-        assert_eq!(redact_url("nats://tok@h:4222,nats://h2:4222"), "nats://***@h:4222,nats://h2:4222");
+        assert_eq!(
+            redact_url("nats://tok@h:4222,nats://h2:4222"),
+            "nats://***@h:4222,nats://h2:4222"
+        );
         assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
     }
 
