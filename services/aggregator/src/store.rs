@@ -23,8 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use prost::Message;
-use redis::aio::ConnectionLike;
-use redis::{Cmd, Pipeline, RedisFuture, ServerErrorKind, Value};
+use redis::{Pipeline, ServerErrorKind, Value};
 use shelfsync_proto::MasterCard;
 use shelfsync_settings::RedisSettings;
 use tracing::warn;
@@ -34,55 +33,8 @@ use crate::aggregate::{
     PlaceKey, PlaceWork, Seen, master_card, member, offer_entry, parse_member, parse_offer_entry,
 };
 
-/// A standalone or cluster connection, chosen by config; both multiplex and
-/// reconnect on their own.
-#[derive(Clone)]
-pub enum RedisConn {
-    Single(redis::aio::ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl RedisConn {
-    pub async fn connect(cfg: &RedisSettings) -> redis::RedisResult<RedisConn> {
-        if cfg.cluster {
-            let client = redis::cluster::ClusterClient::builder(cfg.urls()).retries(6).build()?;
-            Ok(RedisConn::Cluster(client.get_async_connection().await?))
-        } else {
-            let client = redis::Client::open(cfg.url.as_str())?;
-            let config = redis::aio::ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(Duration::from_secs(5)))
-                .set_response_timeout(Some(Duration::from_secs(10)))
-                .set_max_delay(Duration::from_secs(2));
-            Ok(RedisConn::Single(client.get_connection_manager_with_config(config).await?))
-        }
-    }
-}
-
-impl ConnectionLike for RedisConn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            RedisConn::Single(c) => c.req_packed_command(cmd),
-            RedisConn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-    fn get_db(&self) -> i64 {
-        match self {
-            RedisConn::Single(c) => c.get_db(),
-            RedisConn::Cluster(c) => c.get_db(),
-        }
-    }
-}
+/// The shared Redis connection: standalone or cluster, TLS by config.
+pub use shelfsync_redis::RedisConn;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
