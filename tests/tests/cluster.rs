@@ -913,3 +913,43 @@ fn show(r: &BenchRun) -> String {
         r.machine_busy * 100.0
     )
 }
+
+/// The aggregator keeps its state on the Redis Cluster too: every card and
+/// every place under its own hash tag, batches spanning many slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "NOT DONE: on a 3-master cluster no card appears within 30 s (storage works there; \
+            the aggregator's pipelines of per-card scripts span several slots — to be diagnosed)"]
+async fn aggregator_on_redis_cluster_computes_cards() {
+    let (redis, nats) =
+        tokio::try_join!(RedisCluster::start(3), NatsServer::start()).expect("servers");
+    let mut settings = cluster_settings(nats.url(), &redis);
+    settings.storage.keyframe_schedule = String::new();
+    settings.aggregator.http_listen = "127.0.0.1:0".into();
+    settings.aggregator.default_region = Some("all".into());
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let app = shelfsync_aggregator::App::build(settings.clone()).await.expect("aggregator");
+    let addr = app.http_addr();
+    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(app.run_until(async move {
+        let _ = stopped.await;
+    }));
+    // 40 products in 6 places: cards and category sets spread over slots.
+    let mut cmds = Vec::new();
+    for place in 1..=6i64 {
+        for i in 0..40usize {
+            cmds.push(patch(BRAND, place, &sku(i), &product("t", 100 * place + i as i64, 3), 0));
+        }
+    }
+    h.send(cmds).await.expect("send");
+    h.wait_settled().await;
+    for i in [0usize, 17, 39] {
+        let path = format!("/v1/cards/all/{}", sku(i));
+        eventually(Duration::from_secs(30), "card computed on the cluster", || async {
+            let Ok((200, body)) = http_get(addr, &path).await else { return false };
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            v["min_price"].as_i64() == Some(100 + i as i64) && v["offers"].as_u64() == Some(6)
+        })
+        .await;
+    }
+}
