@@ -7,8 +7,8 @@
 //!   pipelines, scripts). Cheap to clone: both variants multiplex one
 //!   connection per node and reconnect on their own.
 //! - [`is_transient`]: whether a failed call is worth retrying later.
-//! - [`key_slot`]: the cluster hash slot of a key, for tests and tools that
-//!   check that a multi-key step stays on one slot.
+//! - [`key_slot`] / [`group_by_slot`]: the cluster hash slot of a key, and
+//!   items grouped by slot so that each pipeline stays on one slot.
 //!
 //! It owns no key layout: each service names its keys, and a service that
 //! runs several keys in one step (a pipeline, a MULTI, a Lua script) must give
@@ -194,6 +194,21 @@ pub fn key_slot(key: &[u8]) -> u16 {
     crc16(hash_tag(key)) % SLOTS
 }
 
+/// Groups `items` by the cluster slot of their key, in slot order, so that
+/// each group can go in one pipeline or transaction: on a cluster a pipeline
+/// whose keys span slots is refused as a whole (`CROSSSLOT`), even when each
+/// command in it touches one key. Items keep their relative order.
+pub fn group_by_slot<T>(
+    items: impl IntoIterator<Item = T>,
+    key: impl Fn(&T) -> &[u8],
+) -> std::collections::BTreeMap<u16, Vec<T>> {
+    let mut groups: std::collections::BTreeMap<u16, Vec<T>> = Default::default();
+    for item in items {
+        groups.entry(key_slot(key(&item))).or_default().push(item);
+    }
+    groups
+}
+
 /// The part of `key` that decides its slot.
 pub fn hash_tag(key: &[u8]) -> &[u8] {
     if let Some(open) = key.iter().position(|&b| b == b'{')
@@ -248,9 +263,73 @@ mod tests {
     }
 
     #[test]
+    fn grouping_by_slot_keeps_tags_together_and_order_within() {
+        let keys = ["{a}1", "{b}1", "{a}2", "{b}2", "{a}3"];
+        let groups = group_by_slot(keys, |k| k.as_bytes());
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[&key_slot(b"{a}")], ["{a}1", "{a}2", "{a}3"]);
+        assert_eq!(groups[&key_slot(b"{b}")], ["{b}1", "{b}2"]);
+    }
+
+    #[test]
     fn node_addresses_get_a_scheme() {
         assert_eq!(with_scheme("127.0.0.1:7000"), "redis://127.0.0.1:7000");
         assert_eq!(with_scheme("rediss://h:1"), "rediss://h:1");
+    }
+
+    fn settings(url: String, cluster: bool) -> RedisSettings {
+        RedisSettings { url, cluster, ..RedisSettings::default() }
+    }
+
+    #[tokio::test]
+    async fn a_single_server_serves_and_a_lost_one_is_transient() {
+        let mut server = shelfsync_testkit::RedisServer::start().await.expect("redis");
+        let mut conn = RedisConn::connect(&settings(server.url(), false)).await.expect("connect");
+        assert!(!conn.is_cluster());
+        let _: () = redis::cmd("SET").arg("k").arg("v").query_async(&mut conn).await.expect("set");
+        server.kill();
+        let err =
+            redis::cmd("GET").arg("k").query_async::<String>(&mut conn).await.expect_err("down");
+        assert!(is_transient(&err), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_cluster_routes_by_slot_and_refuses_steps_across_slots() {
+        let cluster = shelfsync_testkit::RedisCluster::start(3).await.expect("cluster");
+        // Bare host:port seeds, as `redis-cli --cluster` prints them.
+        let seeds =
+            cluster.node_urls().iter().map(|u| u.replace("redis://", "")).collect::<Vec<_>>();
+        let mut conn = RedisConn::connect(&settings(seeds.join(","), true)).await.expect("connect");
+        assert!(conn.is_cluster());
+        // Keys on many slots, hence on every master, each routed to its own.
+        for i in 0..30 {
+            let _: () = redis::cmd("SET")
+                .arg(format!("k{i}"))
+                .arg(i)
+                .query_async(&mut conn)
+                .await
+                .expect("set");
+        }
+        let v: i64 = redis::cmd("GET").arg("k17").query_async(&mut conn).await.expect("get");
+        assert_eq!(v, 17);
+        // One tag, one slot: a transaction over several keys is fine.
+        let (a, b): (i64, i64) = redis::pipe()
+            .atomic()
+            .incr("{p1}:a", 1)
+            .incr("{p1}:b", 2)
+            .query_async(&mut conn)
+            .await
+            .expect("single-slot transaction");
+        assert_eq!((a, b), (1, 2));
+        // Two tags: refused, and not worth retrying.
+        let err = redis::pipe()
+            .incr("{p1}:a", 1)
+            .incr("{p2}:a", 1)
+            .query_async::<()>(&mut conn)
+            .await
+            .expect_err("cross-slot pipeline");
+        assert!(!is_transient(&err), "{err}");
+        assert_ne!(key_slot(b"{p1}:a"), key_slot(b"{p2}:a"));
     }
 
     proptest! {
