@@ -16,7 +16,7 @@ const ITEMS: usize = 150;
 
 fn price(round: usize, i: usize) -> i64 {
     // Round 1 sets every price; round 2 changes every 10th item.
-    if round == 2 && i % 10 == 0 { 9_000 + i as i64 } else { 1_000 + i as i64 }
+    if round == 2 && i.is_multiple_of(10) { 9_000 + i as i64 } else { 1_000 + i as i64 }
 }
 
 async fn crash_at(failpoint: &str) {
@@ -79,7 +79,7 @@ async fn crash_at(failpoint: &str) {
     );
     for (key, n) in count_by_key(&changes) {
         let i: usize = key.2.trim_start_matches("sku-").parse().expect("id");
-        assert_eq!(n, if i % 10 == 0 { 2 } else { 1 }, "changes of {key:?}");
+        assert_eq!(n, if i.is_multiple_of(10) { 2 } else { 1 }, "changes of {key:?}");
     }
 
     // Replica from the stream: the latest `after` per key, applied only if

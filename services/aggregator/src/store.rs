@@ -22,9 +22,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use redis::{Pipeline, ServerErrorKind, Value};
 use shelfsync_proto::MasterCard;
+use shelfsync_redis::group_by_slot;
 use shelfsync_settings::RedisSettings;
 use tracing::warn;
 
@@ -105,6 +107,8 @@ return out
 
 /// Largest number of arguments of one `SADD` / `SREM`.
 const CHUNK: usize = 1000;
+/// On a cluster, most per-slot pipelines in flight at once.
+const SLOT_PIPELINES: usize = 32;
 
 /// Key names; every aggregate under its own hash tag.
 #[derive(Debug, Clone)]
@@ -234,14 +238,20 @@ impl Store {
             // An empty pipeline is an error, not an empty answer.
             return Ok(HashMap::new());
         }
-        let mut pipe = redis::pipe();
-        for (place, ids) in wanted {
-            pipe.cmd("HMGET").arg(self.keys.view(*place)).arg(ids);
-        }
-        let mut conn = self.conn.clone();
-        let values: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
+        let wanted: Vec<(&PlaceKey, &Vec<String>)> = wanted.iter().collect();
+        let values = self
+            .by_slot(
+                &wanted,
+                |(place, _)| self.keys.view(**place),
+                |pipe, (place, ids)| {
+                    pipe.cmd("HMGET").arg(self.keys.view(**place)).arg(*ids);
+                },
+                false,
+            )
+            .await?;
         let mut out = HashMap::new();
-        for ((place, ids), raw) in wanted.iter().zip(values) {
+        for ((place, ids), v) in wanted.into_iter().zip(values) {
+            let raw: Vec<Option<String>> = redis::from_redis_value(v)?;
             for (id, raw) in ids.iter().zip(raw) {
                 if let Some(seen) = raw.and_then(|r| decode_seen(&self.keys.view(*place), id, &r)) {
                     out.insert((*place, id.clone()), seen);
@@ -308,31 +318,36 @@ impl Store {
         if cards.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        for (id, work) in cards {
-            let mut inv = self.card_script.prepare_invoke();
-            inv.key(self.keys.card_offers(id))
-                .key(self.keys.card_entries(id))
-                .key(self.keys.card_published(id));
-            for op in &work.ops {
-                match op {
-                    CardOp::Put { place, price, currency } => {
-                        inv.arg("P")
-                            .arg(member(*place))
-                            .arg(*price)
-                            .arg(offer_entry(*price, currency.as_deref()));
+        let cards: Vec<(&CardId, &CardWork)> = cards.iter().collect();
+        let values = self
+            .by_slot(
+                &cards,
+                |(id, _)| self.keys.card_offers(id),
+                |pipe, (id, work)| {
+                    let mut inv = self.card_script.prepare_invoke();
+                    inv.key(self.keys.card_offers(id))
+                        .key(self.keys.card_entries(id))
+                        .key(self.keys.card_published(id));
+                    for op in &work.ops {
+                        match op {
+                            CardOp::Put { place, price, currency } => {
+                                inv.arg("P")
+                                    .arg(member(*place))
+                                    .arg(*price)
+                                    .arg(offer_entry(*price, currency.as_deref()));
+                            }
+                            CardOp::Remove { place } => {
+                                inv.arg("R").arg(member(*place)).arg("").arg("");
+                            }
+                        }
                     }
-                    CardOp::Remove { place } => {
-                        inv.arg("R").arg(member(*place)).arg("").arg("");
-                    }
-                }
-            }
-            pipe.invoke_script(&inv);
-        }
-        let values = self.run_scripts(&pipe).await?;
+                    pipe.invoke_script(&inv);
+                },
+                true,
+            )
+            .await?;
         let mut out = Vec::with_capacity(cards.len());
-        for ((id, work), v) in cards.iter().zip(values) {
+        for ((id, work), v) in cards.into_iter().zip(values) {
             type Reply = (u64, Option<String>, Option<String>, Option<Vec<u8>>, Option<u64>);
             let (n, top, entry, published, version): Reply = redis::from_redis_value(v)?;
             let cheapest = match (top, entry) {
@@ -374,37 +389,50 @@ impl Store {
         if places.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        for (place, work) in places {
-            let index: HashMap<&str, usize> =
-                work.categories.keys().enumerate().map(|(i, c)| (c.as_str(), i + 1)).collect();
-            let mut inv = self.place_script.prepare_invoke();
-            inv.key(self.keys.view(*place))
-                .key(self.keys.non_empty(*place))
-                .key(self.keys.versions(*place));
-            for c in work.categories.keys() {
-                inv.key(self.keys.category(*place, c));
-            }
-            inv.arg(work.categories.len());
-            for c in work.categories.keys() {
-                inv.arg(c.as_str());
-            }
-            let idx =
-                |c: &Option<String>| c.as_deref().and_then(|c| index.get(c)).copied().unwrap_or(0);
-            for op in &work.ops {
-                let seen = op
-                    .seen
-                    .as_ref()
-                    .map(|s| serde_json::to_string(s).unwrap_or_default())
-                    .unwrap_or_default();
-                inv.arg(op.product_id.as_str()).arg(idx(&op.remove)).arg(idx(&op.add)).arg(seen);
-            }
-            pipe.invoke_script(&inv);
-        }
-        let values = self.run_scripts(&pipe).await?;
+        let places: Vec<(&PlaceKey, &PlaceWork)> = places.iter().collect();
+        let values = self
+            .by_slot(
+                &places,
+                |(place, _)| self.keys.view(**place),
+                |pipe, (place, work)| {
+                    let index: HashMap<&str, usize> = work
+                        .categories
+                        .keys()
+                        .enumerate()
+                        .map(|(i, c)| (c.as_str(), i + 1))
+                        .collect();
+                    let mut inv = self.place_script.prepare_invoke();
+                    inv.key(self.keys.view(**place))
+                        .key(self.keys.non_empty(**place))
+                        .key(self.keys.versions(**place));
+                    for c in work.categories.keys() {
+                        inv.key(self.keys.category(**place, c));
+                    }
+                    inv.arg(work.categories.len());
+                    for c in work.categories.keys() {
+                        inv.arg(c.as_str());
+                    }
+                    let idx = |c: &Option<String>| {
+                        c.as_deref().and_then(|c| index.get(c)).copied().unwrap_or(0)
+                    };
+                    for op in &work.ops {
+                        let seen = op
+                            .seen
+                            .as_ref()
+                            .map(|s| serde_json::to_string(s).unwrap_or_default())
+                            .unwrap_or_default();
+                        inv.arg(op.product_id.as_str())
+                            .arg(idx(&op.remove))
+                            .arg(idx(&op.add))
+                            .arg(seen);
+                    }
+                    pipe.invoke_script(&inv);
+                },
+                true,
+            )
+            .await?;
         let mut out = Vec::new();
-        for ((place, work), v) in places.iter().zip(values) {
+        for ((place, work), v) in places.into_iter().zip(values) {
             let rows: Vec<(u64, u64, Option<u64>)> = redis::from_redis_value(v)?;
             for ((category, at), (count, published, version)) in work.categories.iter().zip(rows) {
                 out.push(CategoryOutcome {
@@ -432,38 +460,119 @@ impl Store {
         if cards.is_empty() && flips.is_empty() && done.is_empty() {
             return Ok(());
         }
-        let mut pipe = redis::pipe();
-        for c in cards {
-            let key = self.keys.card_published(&c.id);
-            pipe.cmd("HSET")
-                .arg(&key)
-                .arg("card")
-                .arg(c.card.encode_to_vec())
-                .arg("ver")
-                .arg(c.version)
-                .ignore();
-            if c.card.offers == 0 {
-                pipe.cmd("PEXPIRE").arg(&key).arg(retracted_ttl.as_millis() as u64).ignore();
-            } else {
-                pipe.cmd("PERSIST").arg(&key).ignore();
+        enum Write<'a> {
+            Card(&'a CardChange),
+            Flip(&'a Flip),
+        }
+        let writes: Vec<Write> =
+            cards.iter().map(Write::Card).chain(flips.iter().map(Write::Flip)).collect();
+        let key = |w: &Write| match w {
+            Write::Card(c) => self.keys.card_published(&c.id),
+            Write::Flip(f) => self.keys.non_empty(f.place),
+        };
+        self.by_slot(
+            &writes,
+            key,
+            |pipe, w| match w {
+                Write::Card(c) => {
+                    let key = self.keys.card_published(&c.id);
+                    pipe.cmd("HSET")
+                        .arg(&key)
+                        .arg("card")
+                        .arg(c.card.encode_to_vec())
+                        .arg("ver")
+                        .arg(c.version)
+                        .ignore();
+                    if c.card.offers == 0 {
+                        pipe.cmd("PEXPIRE")
+                            .arg(&key)
+                            .arg(retracted_ttl.as_millis() as u64)
+                            .ignore();
+                    } else {
+                        pipe.cmd("PERSIST").arg(&key).ignore();
+                    }
+                }
+                Write::Flip(f) => {
+                    let op = if f.non_empty { "SADD" } else { "SREM" };
+                    pipe.cmd(op).arg(self.keys.non_empty(f.place)).arg(&f.category).ignore();
+                    pipe.cmd("HSET")
+                        .arg(self.keys.versions(f.place))
+                        .arg(&f.category)
+                        .arg(f.version)
+                        .ignore();
+                }
+            },
+            false,
+        )
+        .await?;
+        // Only once what was published is stored: a mark cleared too early
+        // would leave an aggregate unchecked after a crash.
+        if !done.is_empty() {
+            let mut pipe = redis::pipe();
+            for chunk in done.chunks(CHUNK) {
+                let members: Vec<String> = chunk.iter().map(Dirty::encode).collect();
+                pipe.cmd("SREM").arg(self.keys.dirty()).arg(members).ignore();
+            }
+            let mut conn = self.conn.clone();
+            pipe.query_async::<()>(&mut conn).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs `items` in pipelines that each stay on one hash slot — a Redis
+    /// Cluster refuses a pipeline whose keys span slots, even when each of its
+    /// commands touches one key — and in one pipeline on a single Redis.
+    /// `key` names the item's slot; `add` puts the item's commands in a
+    /// pipeline, at most one of them not ignored. With `scripts`, the
+    /// commands are script invocations (see [`Store::run_scripts`]).
+    /// Returns the replies in the items' order (`Nil` for an item whose
+    /// commands are all ignored).
+    async fn by_slot<T>(
+        &self,
+        items: &[T],
+        key: impl Fn(&T) -> String,
+        add: impl Fn(&mut Pipeline, &T),
+        scripts: bool,
+    ) -> Result<Vec<Value>, StoreError> {
+        if items.is_empty() {
+            // An empty pipeline is an error, not an empty answer.
+            return Ok(Vec::new());
+        }
+        let groups: Vec<Vec<usize>> = if self.conn.is_cluster() {
+            let keyed: Vec<(usize, String)> = items.iter().map(&key).enumerate().collect();
+            group_by_slot(keyed, |(_, k)| k.as_bytes())
+                .into_values()
+                .map(|group| group.into_iter().map(|(i, _)| i).collect())
+                .collect()
+        } else {
+            vec![(0..items.len()).collect()]
+        };
+        let runs = groups.into_iter().map(|group| {
+            let mut pipe = redis::pipe();
+            if scripts {
+                pipe.ignore_errors();
+            }
+            for &i in &group {
+                add(&mut pipe, &items[i]);
+            }
+            async move {
+                let values = if scripts {
+                    self.run_scripts(&pipe).await?
+                } else {
+                    pipe.query_async::<Vec<Value>>(&mut self.conn.clone()).await?
+                };
+                Ok::<_, StoreError>((group, values))
+            }
+        });
+        let done: Vec<(Vec<usize>, Vec<Value>)> =
+            futures::stream::iter(runs).buffer_unordered(SLOT_PIPELINES).try_collect().await?;
+        let mut out = vec![Value::Nil; items.len()];
+        for (group, values) in done {
+            for (i, v) in group.into_iter().zip(values) {
+                out[i] = v;
             }
         }
-        for f in flips {
-            let op = if f.non_empty { "SADD" } else { "SREM" };
-            pipe.cmd(op).arg(self.keys.non_empty(f.place)).arg(&f.category).ignore();
-            pipe.cmd("HSET")
-                .arg(self.keys.versions(f.place))
-                .arg(&f.category)
-                .arg(f.version)
-                .ignore();
-        }
-        for chunk in done.chunks(CHUNK) {
-            let members: Vec<String> = chunk.iter().map(Dirty::encode).collect();
-            pipe.cmd("SREM").arg(self.keys.dirty()).arg(members).ignore();
-        }
-        let mut conn = self.conn.clone();
-        pipe.query_async::<()>(&mut conn).await?;
-        Ok(())
+        Ok(out)
     }
 
     /// The last published card (`None`: never published, or expired after
