@@ -163,6 +163,8 @@ impl App {
             partitions: self.settings.storage.partitions,
             workers: Vec::new(),
         };
+        let keyframe_permits =
+            Arc::new(tokio::sync::Semaphore::new(self.settings.storage.keyframe_concurrency));
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
@@ -175,7 +177,9 @@ impl App {
                 stats: self.stats.clone(),
                 max_bytes,
                 ready: self.ready.clone(),
+                keyframe_permits: keyframe_permits.clone(),
             };
+            let worker = Arc::new(worker);
             let rx = stop_rx.clone();
             tasks.spawn(async move {
                 let p = worker.partition;

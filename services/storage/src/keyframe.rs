@@ -1,23 +1,27 @@
-//! Keyframes (DESIGN §4): consistent per-place snapshots published by the
+//! Keyframes (DESIGN §4): consistent per-place snapshots, copied by the
 //! partition worker between two command messages, so no command of the place
-//! is applied in the middle of its snapshot, and live processing waits for
-//! at most one place at a time.
+//! is applied in the middle of its snapshot.
 //!
-//! For each place: note where the change stream stands, stream the records
-//! (HSCAN) as `KeyframeBatch`es, the last one with the count and digest, then
-//! put a `KeyframeMark` on the place's change subject — the exact point in the
-//! change stream where a consumer compares its own digest — and purge
-//! keyframes older than the configured number.
+//! For each place, in the worker: note where the change stream stands, copy
+//! the records (HSCAN) into `KeyframeBatch`es, the last one with the count and
+//! digest, and put a `KeyframeMark` on the place's change subject — the exact
+//! point in the change stream where a consumer compares its own digest. Then,
+//! while the worker goes on with commands, a task publishes the parts and
+//! purges keyframes older than the configured number. A replica-wide
+//! semaphore (`storage.keyframe_concurrency`) bounds the places in hand, so
+//! a keyframe of everything holds back one partition at a time, each for the
+//! time of one copy, instead of every partition for the time of its places.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
+use anyhow::Context;
 use prost::Message;
 use shelfsync_bus::Publisher;
 use shelfsync_bus::digest::Digest;
-use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, KeyframeReply, msg_type};
+use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, KeyframeReply, Record, msg_type};
 use tokio::sync::{Mutex, oneshot};
 use tracing::{info, warn};
 
@@ -25,6 +29,9 @@ use crate::worker::Worker;
 
 /// Records read per HSCAN step.
 const SCAN_COUNT: usize = 1000;
+/// Encoded records of one place held in memory between its copy and its
+/// publication; beyond it, parts are published during the copy.
+const COPY_MAX_BYTES: usize = 64 * 1024 * 1024;
 
 /// One keyframe request as a worker sees it.
 pub struct KeyframeJob {
@@ -110,31 +117,65 @@ pub fn keyframe_id_at(unix_micros: i64) -> String {
     format!("kf-{unix_micros}")
 }
 
+/// A place's snapshot copied out of Redis: the parts not yet published, in
+/// order, the last one with the count and digest.
+pub(crate) struct PlaceCopy {
+    subject: String,
+    brand_id: i64,
+    place_id: i64,
+    parts: Vec<KeyframeBatch>,
+    /// Sequence of part 0, once published.
+    first_seq: Option<u64>,
+    records: u64,
+}
+
 impl Worker {
-    /// Publishes the keyframe of one place. Runs inside the partition's
-    /// worker loop, between two command messages.
-    pub(crate) async fn snapshot_place(
+    /// Copies one place's records and puts the keyframe's marker in the
+    /// change stream. Runs inside the partition's worker loop, between two
+    /// command messages, so the copy and the marker's place in the stream
+    /// agree; the parts are published afterwards by [`Worker::publish_copy`],
+    /// while the partition goes on. Parts beyond [`COPY_MAX_BYTES`] are
+    /// published here, so a huge place cannot fill the memory.
+    pub(crate) async fn copy_place(
         &self,
         keyframe_id: &str,
         changes_seq: u64,
         brand_id: i64,
         place_id: i64,
         publisher: &mut Publisher,
-    ) -> anyhow::Result<u64> {
-        let started = Instant::now();
+    ) -> anyhow::Result<PlaceCopy> {
         let partition = self.partition.0;
         // The outbox is drained after every message, so every change of this
         // place up to `command_seq` is already in the CHANGES stream.
         let command_seq = self.store.applied_seq(partition).await?;
         let as_of = chrono::Utc::now().timestamp_micros();
         let tombstone_cutoff = as_of - self.settings.storage.tombstone_ttl.as_micros() as i64;
-        let subject = self.subjects.keyframes(brand_id, place_id);
+        let mut copy = PlaceCopy {
+            subject: self.subjects.keyframes(brand_id, place_id),
+            brand_id,
+            place_id,
+            parts: Vec::new(),
+            first_seq: None,
+            records: 0,
+        };
+        let part_of = |part: u32, records: Vec<Record>| KeyframeBatch {
+            keyframe_id: keyframe_id.to_string(),
+            brand_id,
+            place_id,
+            part,
+            records,
+            as_of,
+            command_seq,
+            changes_seq,
+            tombstone_cutoff,
+            ..Default::default()
+        };
         let mut digest = Digest::default();
         let mut seen = HashSet::new();
         let mut pending = Vec::new();
         let mut pending_bytes = 0usize;
+        let mut held_bytes = 0usize;
         let mut part = 0u32;
-        let mut first_seq = None;
         let mut cursor = 0u64;
         loop {
             let (next, records) =
@@ -151,23 +192,14 @@ impl Worker {
                 if !pending.is_empty()
                     && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes)
                 {
-                    let batch = KeyframeBatch {
-                        keyframe_id: keyframe_id.to_string(),
-                        brand_id,
-                        place_id,
-                        part,
-                        records: std::mem::take(&mut pending),
-                        as_of,
-                        command_seq,
-                        changes_seq,
-                        first_seq: first_seq.unwrap_or(0),
-                        tombstone_cutoff,
-                        ..Default::default()
-                    };
-                    let seq = self.publish_keyframe(&subject, batch, publisher).await?;
-                    first_seq.get_or_insert(seq);
+                    copy.parts.push(part_of(part, std::mem::take(&mut pending)));
                     part += 1;
+                    held_bytes += pending_bytes;
                     pending_bytes = 0;
+                    if held_bytes > COPY_MAX_BYTES {
+                        self.publish_parts(&mut copy, publisher).await?;
+                        held_bytes = 0;
+                    }
                 }
                 pending_bytes += len;
                 pending.push(r);
@@ -177,23 +209,14 @@ impl Worker {
                 break;
             }
         }
-        let last = KeyframeBatch {
-            keyframe_id: keyframe_id.to_string(),
-            brand_id,
-            place_id,
-            part,
-            records: pending,
-            last: true,
-            total: digest.count,
-            digest: digest.sum,
-            as_of,
-            command_seq,
-            changes_seq,
-            first_seq: first_seq.unwrap_or(0),
-            tombstone_cutoff,
-        };
-        let seq = self.publish_keyframe(&subject, last, publisher).await?;
-        let first_seq = first_seq.unwrap_or(seq);
+        let mut last = part_of(part, pending);
+        last.last = true;
+        last.total = digest.count;
+        last.digest = digest.sum;
+        copy.parts.push(last);
+        copy.records = digest.count;
+        // Parts published here must be in the stream before later ones,
+        // which go through another publisher.
         publisher.flush().await?;
 
         // The marker goes after every earlier change of the place and before
@@ -220,25 +243,54 @@ impl Worker {
             )
             .await?;
         publisher.flush().await?;
+        Ok(copy)
+    }
 
+    /// Publishes the parts of a copied place, then purges keyframes older
+    /// than the configured number. Returns the number of records.
+    pub(crate) async fn publish_copy(
+        &self,
+        mut copy: PlaceCopy,
+        publisher: &mut Publisher,
+    ) -> anyhow::Result<u64> {
+        let started = Instant::now();
+        self.publish_parts(&mut copy, publisher).await?;
+        publisher.flush().await?;
+        let first_seq = copy.first_seq.context("a keyframe has at least one part")?;
         let keep = self.settings.storage.keyframes_kept;
+        let (partition, brand_id, place_id) = (self.partition.0, copy.brand_id, copy.place_id);
         if let Some(oldest_kept) =
             self.store.keyframe_published(partition, brand_id, place_id, first_seq, keep).await?
         {
             let stream = self.js.get_stream(self.subjects.keyframes_stream()).await?;
-            if let Err(e) = stream.purge().filter(&subject).sequence(oldest_kept).await {
-                warn!(%subject, error = %e, "purging old keyframes failed");
+            if let Err(e) = stream.purge().filter(&copy.subject).sequence(oldest_kept).await {
+                warn!(subject = %copy.subject, error = %e, "purging old keyframes failed");
             }
         }
-        self.stats.add(&self.stats.keyframe_records, digest.count);
+        self.stats.add(&self.stats.keyframe_records, copy.records);
         tracing::debug!(
             brand_id,
             place_id,
-            records = digest.count,
+            records = copy.records,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "place keyframe published"
         );
-        Ok(digest.count)
+        Ok(copy.records)
+    }
+
+    /// Publishes the parts held in `copy`, in order.
+    async fn publish_parts(
+        &self,
+        copy: &mut PlaceCopy,
+        publisher: &mut Publisher,
+    ) -> anyhow::Result<()> {
+        for mut batch in std::mem::take(&mut copy.parts) {
+            // Readers find part 0 from the last part.
+            batch.first_seq = copy.first_seq.unwrap_or(0);
+            let seq = self.publish_keyframe(&copy.subject, batch, publisher).await?;
+            copy.first_seq.get_or_insert(seq);
+        }
+        Ok(())
     }
 
     async fn publish_keyframe(

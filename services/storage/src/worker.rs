@@ -28,7 +28,7 @@ use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
 use shelfsync_settings::Settings;
 use shelfsync_telemetry::names;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tracing::{Instrument, debug, error, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
@@ -44,6 +44,8 @@ const RELAY_CHUNK: usize = 256;
 const MAX_FAILED_DELIVERIES: u64 = 5;
 /// Raw bytes kept in a dead-letter rejection.
 const MAX_RAW: usize = 128 * 1024;
+/// Longest wait between two attempts to bind the command consumer.
+const CONSUMER_RETRY_MAX: Duration = Duration::from_secs(10);
 /// How long a stopping worker waits for a message already on its way.
 const HANDBACK_WAIT: Duration = Duration::from_millis(100);
 
@@ -58,6 +60,8 @@ pub struct Worker {
     pub max_bytes: usize,
     /// Told when this worker's consumer is bound (readiness).
     pub ready: Arc<Readiness>,
+    /// Place snapshots in hand across the replica (`keyframe_concurrency`).
+    pub keyframe_permits: Arc<Semaphore>,
 }
 
 /// W3C trace context kept with outbox entries.
@@ -116,25 +120,46 @@ impl Worker {
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
-    /// Keyframe jobs are worked off one place at a time, each between two
-    /// command messages, with ready messages served first.
+    /// Keyframe jobs are worked off one place at a time, each copied between
+    /// two command messages once a replica-wide permit is free, with ready
+    /// messages served first; the place's parts are published by a task while
+    /// the partition goes on, and the next place waits for that task.
     pub async fn run(
-        self,
+        self: Arc<Self>,
         mut shutdown: watch::Receiver<bool>,
         mut jobs: mpsc::Receiver<KeyframeJob>,
     ) -> anyhow::Result<()> {
-        let consumer = self.consumer().await?;
+        // Many consumers created at once (R3, a busy cluster) can time out:
+        // retried, so that one slow answer does not stop the replica.
+        let mut delay = Duration::from_millis(500);
+        let consumer = loop {
+            match self.consumer().await {
+                Ok(c) => break c,
+                Err(e) => {
+                    warn!(
+                        partition = %self.partition, retry_in = ?delay, error = format!("{e:#}"),
+                        "cannot bind the command consumer; retrying"
+                    );
+                    tokio::select! {
+                        _ = stopped(&mut shutdown) => return Ok(()),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(CONSUMER_RETRY_MAX);
+                }
+            }
+        };
         let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
         // Whatever a previous owner committed but did not publish goes first.
         {
             let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
             self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
         }
-        let mut messages = consumer.messages().await?;
+        let mut messages = shelfsync_bus::pull_messages(&consumer).await?;
         self.ready.worker_bound();
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
+        let mut publishing: Option<tokio::task::JoinHandle<()>> = None;
         // Its own receiver: one the handlers wait on could miss the change.
         let mut stop = shutdown.clone();
         loop {
@@ -157,13 +182,23 @@ impl Worker {
                     self.process(msg, &mut publisher, &mut shutdown).await;
                 }
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
-                _ = std::future::ready(()), if !snapshots.is_empty() => {
-                    if let Some(s) = snapshots.pop_front() {
-                        self.run_snapshot(s, &mut publisher).await;
+                _ = async { publishing.as_mut().expect("guarded").await }, if publishing.is_some() => {
+                    publishing = None;
+                }
+                permit = self.keyframe_permits.clone().acquire_owned(),
+                    if publishing.is_none() && !snapshots.is_empty() =>
+                {
+                    if let (Ok(permit), Some(s)) = (permit, snapshots.pop_front()) {
+                        publishing = self.clone().snapshot(s, permit, &mut publisher).await;
                     }
                 }
                 _ = purge.tick() => self.purge().await,
             }
+        }
+        // A keyframe's parts already on their way are finished: a reader
+        // would otherwise wait for a keyframe that never completes.
+        if let Some(task) = publishing {
+            let _ = task.await;
         }
         // Stop pulling. With one message unacked at most, the next one may be
         // on its way already: catch it, unsubscribe, then hand it back (nak)
@@ -210,8 +245,15 @@ impl Worker {
         }
     }
 
-    async fn run_snapshot(&self, s: PlaceSnapshot, publisher: &mut Publisher) {
-        let started = std::time::Instant::now();
+    /// Copies one place and puts its marker in the change stream, then
+    /// hands the publication of its parts to a task holding `permit`.
+    async fn snapshot(
+        self: Arc<Self>,
+        s: PlaceSnapshot,
+        permit: OwnedSemaphorePermit,
+        publisher: &mut Publisher,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let started = Instant::now();
         let span = tracing::info_span!(
             "storage.keyframe_place",
             partition = self.partition.0,
@@ -219,11 +261,36 @@ impl Worker {
             brand_id = s.brand_id,
             place_id = s.place_id,
         );
-        match self
-            .snapshot_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
-            .instrument(span)
-            .await
-        {
+        let copied = self
+            .copy_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
+            .instrument(span.clone())
+            .await;
+        let copy = match copied {
+            Ok(copy) => copy,
+            Err(e) => {
+                self.snapshot_done(&s, Err(e), started).await;
+                return None;
+            }
+        };
+        let max_inflight = self.settings.nats.max_inflight;
+        Some(tokio::spawn(
+            async move {
+                let mut publisher = Publisher::new(self.js.clone(), max_inflight);
+                let published = self.publish_copy(copy, &mut publisher).await;
+                drop(permit);
+                self.snapshot_done(&s, published, started).await;
+            }
+            .instrument(span),
+        ))
+    }
+
+    async fn snapshot_done(
+        &self,
+        s: &PlaceSnapshot,
+        result: anyhow::Result<u64>,
+        started: Instant,
+    ) {
+        match result {
             Ok(records) => s.progress.place_done(records),
             Err(e) => {
                 warn!(

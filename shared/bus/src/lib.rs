@@ -151,6 +151,22 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
     ]
 }
 
+/// Pull requests of [`pull_messages`]: they expire after this ...
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// ... and the server sends an idle heartbeat this often; two missed ones
+/// make the client pull again. The client's defaults (30 s, 15 s) left a
+/// consumer idle for 20–30 s after the NATS server holding its request was
+/// lost; with these it resumes within a few seconds.
+const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// The messages of a pull consumer, pulled with short-lived requests and
+/// heartbeats, so that the loss of a NATS server stalls it only briefly.
+pub async fn pull_messages(
+    consumer: &jetstream::consumer::PullConsumer,
+) -> Result<jetstream::consumer::pull::Stream, jetstream::consumer::StreamError> {
+    consumer.stream().expires(PULL_EXPIRES).heartbeat(PULL_HEARTBEAT).messages().await
+}
+
 /// Creates the streams, or updates them to the configured shape. Safe to
 /// run any number of times. The partition count is recorded in the command
 /// stream's metadata and may not change once set: changing it would move

@@ -8,9 +8,13 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
-use shelfsync_proto::KeyframeBatch;
+use shelfsync_proto::{KeyframeBatch, KeyframeMark};
 
 use crate::FeedError;
+
+/// How long a reader waits for a keyframe being written: 600 × 100 ms.
+const WAIT_STEPS: u32 = 600;
+const WAIT_STEP: Duration = Duration::from_millis(100);
 
 pub struct KeyframeReader {
     stream: jetstream::stream::Stream,
@@ -58,6 +62,25 @@ impl KeyframeReader {
         Ok(out)
     }
 
+    /// The last keyframe part stored for a place, and its sequence.
+    async fn last_part(
+        &self,
+        brand: i64,
+        place: i64,
+    ) -> Result<Option<(KeyframeBatch, u64)>, FeedError> {
+        let subject = self.subjects.keyframes(brand, place);
+        let msg = match self.stream.direct_get_last_for_subject(&subject).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
+                return Ok(None);
+            }
+            Err(e) => return Err(FeedError::Nats(format!("reading {subject}: {e}"))),
+        };
+        let batch = KeyframeBatch::decode(msg.payload.as_ref())
+            .map_err(|e| FeedError::Corrupt(format!("{subject} #{}: {e}", msg.sequence)))?;
+        Ok(Some((batch, msg.sequence)))
+    }
+
     /// The latest complete keyframe of a place. If one is being written right
     /// now, waits (up to about a minute) for it to complete.
     pub async fn latest(
@@ -65,23 +88,46 @@ impl KeyframeReader {
         brand: i64,
         place: i64,
     ) -> Result<Option<LatestKeyframe>, FeedError> {
-        let subject = self.subjects.keyframes(brand, place);
-        for _ in 0..600 {
-            let msg = match self.stream.direct_get_last_for_subject(&subject).await {
-                Ok(m) => m,
-                Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
+        for _ in 0..WAIT_STEPS {
+            match self.last_part(brand, place).await? {
+                None => return Ok(None),
+                Some((last, last_seq)) if last.last => {
+                    return Ok(Some(LatestKeyframe { last, last_seq }));
+                }
+                Some(_) => tokio::time::sleep(WAIT_STEP).await,
+            }
+        }
+        Err(FeedError::Nats(format!(
+            "keyframe on {} did not complete in time",
+            self.subjects.keyframes(brand, place)
+        )))
+    }
+
+    /// The keyframe a change-stream marker announces. Storage puts the
+    /// marker in the change stream as soon as it has copied the place, and
+    /// publishes the parts after it, so they may still be on their way:
+    /// waits (up to about a minute) for the keyframe to complete. `None`: a
+    /// newer keyframe replaced it, or it never completed (its storage
+    /// replica stopped half-way; the next keyframe will tell).
+    pub async fn of_mark(
+        &self,
+        brand: i64,
+        place: i64,
+        mark: &KeyframeMark,
+    ) -> Result<Option<LatestKeyframe>, FeedError> {
+        for _ in 0..WAIT_STEPS {
+            if let Some((last, last_seq)) = self.last_part(brand, place).await? {
+                if last.keyframe_id == mark.keyframe_id && last.as_of == mark.as_of {
+                    if last.last {
+                        return Ok(Some(LatestKeyframe { last, last_seq }));
+                    }
+                } else if last.as_of > mark.as_of {
                     return Ok(None);
                 }
-                Err(e) => return Err(FeedError::Nats(format!("reading {subject}: {e}"))),
-            };
-            let batch = KeyframeBatch::decode(msg.payload.as_ref())
-                .map_err(|e| FeedError::Corrupt(format!("{subject} #{}: {e}", msg.sequence)))?;
-            if batch.last {
-                return Ok(Some(LatestKeyframe { last: batch, last_seq: msg.sequence }));
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(WAIT_STEP).await;
         }
-        Err(FeedError::Nats(format!("keyframe on {subject} did not complete in time")))
+        Ok(None)
     }
 
     /// Reads the parts of a keyframe in order, from its first part.

@@ -41,7 +41,7 @@ use async_nats::jetstream::{self, AckKind, consumer};
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
-use shelfsync_proto::ChangeBatch;
+use shelfsync_proto::{ChangeBatch, KeyframeMark};
 use shelfsync_settings::Settings;
 use tracing::{Instrument, debug, info, warn};
 
@@ -208,8 +208,9 @@ impl ChangeFeed {
             start = ?start,
             "change feed live"
         );
-        let mut messages =
-            consumer.messages().await.map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
+        let mut messages = shelfsync_bus::pull_messages(&consumer)
+            .await
+            .map_err(|e| FeedError::Nats(format!("pull: {e}")))?;
         // Sampled by its own task: a handler that hangs must show as lag.
         let sampler = {
             let mut consumer = consumer.clone();
@@ -396,7 +397,7 @@ impl ChangeFeed {
                     ours = ?ours, keyframe = ?theirs, keyframe_id = %mark.keyframe_id,
                     "place drifted from its keyframe: resyncing"
                 );
-                self.resync(place, &mark.keyframe_id, handler).await?;
+                self.resync(place, mark, handler).await?;
             }
             return Ok(());
         }
@@ -440,21 +441,25 @@ impl ChangeFeed {
     async fn resync<H: Handler>(
         &mut self,
         place: Place,
-        keyframe_id: &str,
+        mark: &KeyframeMark,
         handler: &mut H,
     ) -> Result<(), HandlerError> {
         let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
         let reader = KeyframeReader::new(&self.js, self.subjects.clone())
             .await
             .map_err(|e| transient(&e))?;
-        let Some(latest) = reader.latest(place.0, place.1).await.map_err(|e| transient(&e))? else {
+        let keyframe = reader.of_mark(place.0, place.1, mark).await.map_err(|e| transient(&e))?;
+        let Some(keyframe) = keyframe else {
+            // Replaced by a newer keyframe (its own marker comes later), or
+            // never completed: the next keyframe repairs the place.
+            warn!(
+                feed = %self.cfg.name, brand_id = place.0, place_id = place.1,
+                keyframe_id = %mark.keyframe_id,
+                "keyframe of the marker not found complete; the place stays as it is"
+            );
             return Ok(());
         };
-        if latest.last.keyframe_id != keyframe_id {
-            // A newer keyframe exists: its own marker comes later.
-            return Ok(());
-        }
-        self.load_keyframe(&reader, &latest, handler).await.map_err(|e| transient(&e))?;
+        self.load_keyframe(&reader, &keyframe, handler).await.map_err(|e| transient(&e))?;
         self.status.drift_repairs.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(names::FEED_DRIFT_REPAIRS).increment(1);
         Ok(())

@@ -278,6 +278,10 @@ pub struct StorageSettings {
     pub keyframe_schedule: String,
     /// Keyframes kept per place in the KEYFRAMES stream.
     pub keyframes_kept: u32,
+    /// Place snapshots a replica takes at once (copy and publish). Each
+    /// holds its partition's commands back only while it copies the place;
+    /// a low number keeps live changes fresh during a keyframe.
+    pub keyframe_concurrency: usize,
     /// HTTP listen address of storage (read API, health).
     pub http_listen: String,
     /// Largest number of keys in one batch read, and of records in one page.
@@ -297,6 +301,7 @@ impl Default for StorageSettings {
             retry_delay: Duration::from_millis(500),
             keyframe_schedule: "0 0 3 * * *".into(),
             keyframes_kept: 2,
+            keyframe_concurrency: 2,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
         }
@@ -513,6 +518,9 @@ impl Settings {
         }
         if s.keyframes_kept == 0 {
             return Err(invalid("storage.keyframes_kept", "must be at least 1"));
+        }
+        if !(1..=1024).contains(&s.keyframe_concurrency) {
+            return Err(invalid("storage.keyframe_concurrency", "must be between 1 and 1024"));
         }
         if !(1..=10_000).contains(&s.read_max_batch) {
             return Err(invalid("storage.read_max_batch", "must be between 1 and 10000"));
