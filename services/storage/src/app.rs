@@ -163,8 +163,10 @@ impl App {
             partitions: self.settings.storage.partitions,
             workers: Vec::new(),
         };
-        let keyframe_permits =
-            Arc::new(tokio::sync::Semaphore::new(self.settings.storage.keyframe_concurrency));
+        let keyframe_limits = crate::keyframe::KeyframeLimits::new(
+            self.settings.storage.keyframe_concurrency,
+            self.settings.storage.keyframe_rate,
+        );
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
@@ -177,7 +179,7 @@ impl App {
                 stats: self.stats.clone(),
                 max_bytes,
                 ready: self.ready.clone(),
-                keyframe_permits: keyframe_permits.clone(),
+                keyframe_limits: keyframe_limits.clone(),
             };
             let worker = Arc::new(worker);
             let rx = stop_rx.clone();

@@ -15,14 +15,14 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use prost::Message;
 use shelfsync_bus::Publisher;
 use shelfsync_bus::digest::Digest;
 use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, KeyframeReply, Record, msg_type};
-use tokio::sync::{Mutex, oneshot};
+use tokio::sync::{Mutex, Semaphore, oneshot};
 use tracing::{info, warn};
 
 use crate::worker::Worker;
@@ -112,6 +112,57 @@ impl JobProgress {
     }
 }
 
+/// What bounds the keyframe work of one replica, shared by its workers:
+/// places in hand at once, and records published per second.
+pub struct KeyframeLimits {
+    pub permits: Arc<Semaphore>,
+    pace: Option<Pace>,
+}
+
+impl KeyframeLimits {
+    /// `concurrency` places at once; `records_per_s` = 0: unpaced.
+    pub fn new(concurrency: usize, records_per_s: u64) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(concurrency)),
+            pace: (records_per_s > 0).then(|| Pace::new(records_per_s)),
+        })
+    }
+
+    /// Waits until `records` more may be published.
+    pub async fn pace(&self, records: usize) {
+        if let Some(p) = &self.pace {
+            p.take(records).await;
+        }
+    }
+}
+
+/// Spreads work at a steady rate: each take books its share of time after
+/// the previous ones and waits for its turn (no burst beyond one take).
+struct Pace {
+    per_item: Duration,
+    next: std::sync::Mutex<Instant>,
+}
+
+impl Pace {
+    fn new(per_s: u64) -> Self {
+        Self {
+            per_item: Duration::from_secs_f64(1.0 / per_s as f64),
+            next: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+
+    async fn take(&self, items: usize) {
+        let now = Instant::now();
+        let start = {
+            let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+            let start = (*next).max(now);
+            *next = start + self.per_item * items as u32;
+            start
+        };
+        tokio::time::sleep_until(start.into()).await;
+    }
+}
+
 /// A keyframe id shared by every replica for one schedule tick or request.
 pub fn keyframe_id_at(unix_micros: i64) -> String {
     format!("kf-{unix_micros}")
@@ -197,7 +248,7 @@ impl Worker {
                     held_bytes += pending_bytes;
                     pending_bytes = 0;
                     if held_bytes > COPY_MAX_BYTES {
-                        self.publish_parts(&mut copy, publisher).await?;
+                        self.publish_parts(&mut copy, publisher, false).await?;
                         held_bytes = 0;
                     }
                 }
@@ -254,7 +305,7 @@ impl Worker {
         publisher: &mut Publisher,
     ) -> anyhow::Result<u64> {
         let started = Instant::now();
-        self.publish_parts(&mut copy, publisher).await?;
+        self.publish_parts(&mut copy, publisher, true).await?;
         publisher.flush().await?;
         let first_seq = copy.first_seq.context("a keyframe has at least one part")?;
         let keep = self.settings.storage.keyframes_kept;
@@ -278,13 +329,18 @@ impl Worker {
         Ok(copy.records)
     }
 
-    /// Publishes the parts held in `copy`, in order.
+    /// Publishes the parts held in `copy`, in order; `paced`: at the
+    /// replica's keyframe rate (`storage.keyframe_rate`).
     async fn publish_parts(
         &self,
         copy: &mut PlaceCopy,
         publisher: &mut Publisher,
+        paced: bool,
     ) -> anyhow::Result<()> {
         for mut batch in std::mem::take(&mut copy.parts) {
+            if paced {
+                self.keyframe_limits.pace(batch.records.len()).await;
+            }
             // Readers find part 0 from the last part.
             batch.first_seq = copy.first_seq.unwrap_or(0);
             let seq = self.publish_keyframe(&copy.subject, batch, publisher).await?;

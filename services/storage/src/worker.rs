@@ -28,12 +28,12 @@ use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
 use shelfsync_settings::Settings;
 use shelfsync_telemetry::names;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
 use tracing::{Instrument, debug, error, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
-use crate::keyframe::KeyframeJob;
+use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::stats::{Readiness, Stats};
 use crate::store::{Commit, Store, StoreError};
 
@@ -44,6 +44,10 @@ const RELAY_CHUNK: usize = 256;
 const MAX_FAILED_DELIVERIES: u64 = 5;
 /// Raw bytes kept in a dead-letter rejection.
 const MAX_RAW: usize = 128 * 1024;
+/// Keyframe parts (up to 1000 records, ~250 KB) of one place awaiting their
+/// ack. Small: the parts share the connection and the server with the live
+/// changes, which must not queue behind megabytes of snapshot.
+const KEYFRAME_INFLIGHT: usize = 2;
 /// Longest wait between two attempts to bind the command consumer.
 const CONSUMER_RETRY_MAX: Duration = Duration::from_secs(10);
 /// How long a stopping worker waits for a message already on its way.
@@ -60,8 +64,8 @@ pub struct Worker {
     pub max_bytes: usize,
     /// Told when this worker's consumer is bound (readiness).
     pub ready: Arc<Readiness>,
-    /// Place snapshots in hand across the replica (`keyframe_concurrency`).
-    pub keyframe_permits: Arc<Semaphore>,
+    /// Places in hand and records per second of keyframes, across the replica.
+    pub keyframe_limits: Arc<KeyframeLimits>,
 }
 
 /// W3C trace context kept with outbox entries.
@@ -185,7 +189,7 @@ impl Worker {
                 _ = async { publishing.as_mut().expect("guarded").await }, if publishing.is_some() => {
                     publishing = None;
                 }
-                permit = self.keyframe_permits.clone().acquire_owned(),
+                permit = self.keyframe_limits.permits.clone().acquire_owned(),
                     if publishing.is_none() && !snapshots.is_empty() =>
                 {
                     if let (Ok(permit), Some(s)) = (permit, snapshots.pop_front()) {
@@ -265,6 +269,7 @@ impl Worker {
             .copy_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
             .instrument(span.clone())
             .await;
+        self.stats.observe_keyframe_place(started.elapsed());
         let copy = match copied {
             Ok(copy) => copy,
             Err(e) => {
@@ -272,10 +277,9 @@ impl Worker {
                 return None;
             }
         };
-        let max_inflight = self.settings.nats.max_inflight;
         Some(tokio::spawn(
             async move {
-                let mut publisher = Publisher::new(self.js.clone(), max_inflight);
+                let mut publisher = Publisher::new(self.js.clone(), KEYFRAME_INFLIGHT);
                 let published = self.publish_copy(copy, &mut publisher).await;
                 drop(permit);
                 self.snapshot_done(&s, published, started).await;
@@ -302,7 +306,6 @@ impl Worker {
                     .await;
             }
         }
-        self.stats.observe_keyframe_place(started.elapsed());
         metrics::histogram!(names::KEYFRAME_SECONDS).record(started.elapsed().as_secs_f64());
         if s.last_of_job {
             s.progress.worker_done(None).await;

@@ -282,6 +282,10 @@ pub struct StorageSettings {
     /// holds its partition's commands back only while it copies the place;
     /// a low number keeps live changes fresh during a keyframe.
     pub keyframe_concurrency: usize,
+    /// Keyframe records a replica publishes per second (0: as fast as it
+    /// can). A keyframe is background work: paced, it leaves the machine to
+    /// the live changes.
+    pub keyframe_rate: u64,
     /// HTTP listen address of storage (read API, health).
     pub http_listen: String,
     /// Largest number of keys in one batch read, and of records in one page.
@@ -302,6 +306,7 @@ impl Default for StorageSettings {
             keyframe_schedule: "0 0 3 * * *".into(),
             keyframes_kept: 2,
             keyframe_concurrency: 2,
+            keyframe_rate: 100_000,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
         }
