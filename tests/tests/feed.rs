@@ -205,3 +205,78 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
     let _ = stop.send(());
     task.await.unwrap();
 }
+
+/// A keyframe goes out while writes go on, so its marker comes later in the
+/// stream than the point the keyframe was frozen at: a repair reloads the
+/// keyframe and applies again what changed in between.
+#[tokio::test]
+async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    // 300 records a second: place 1's parts take about a second to go out.
+    settings.storage.keyframe_rate = 300;
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    write(&h, &[1], 300, 100).await;
+    h.wait_settled().await;
+
+    let replica = Replica::default();
+    let (status, stop, task) = start_feed(&h, "test-drift-live", replica.clone());
+    eventually(Duration::from_secs(30), "bootstrapped", || async {
+        status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    // Make the replica drift: lose a change while the feed is paused.
+    let _ = stop.send(());
+    let feed = task.await.expect("stopped");
+    let stream = h.js.get_stream(h.subjects.changes_stream()).await.unwrap();
+    let before = stream.clone().info().await.unwrap().state.last_sequence;
+    write(&h, &[1], 1, 5000).await;
+    h.wait_settled().await;
+    let last = stream.clone().info().await.unwrap().state.last_sequence;
+    for seq in before + 1..=last {
+        assert!(stream.delete_message(seq).await.unwrap(), "deleted #{seq}");
+    }
+    let (status, stop, task) = run_feed(feed, replica.clone());
+
+    // New records, one every 20 ms, until the keyframe is out: those
+    // written between its freeze and its marker are in neither the keyframe
+    // nor any change after the marker.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let writer = async {
+        let mut n = 0usize;
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            let cmd = patch(BRAND, 1, &format!("live-{n}"), &product("t", 7, 1), 0);
+            h.send(vec![cmd]).await.expect("send");
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        n
+    };
+    let keyframe = async {
+        let replies = shelfsync_bus::request_keyframe(
+            &h.client,
+            &h.subjects,
+            None,
+            1,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("keyframe");
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        replies
+    };
+    let (written, replies) = tokio::join!(writer, keyframe);
+    assert_eq!(replies.len(), 1);
+    assert!(written >= 10, "only {written} records written during the keyframe");
+    h.wait_settled().await;
+    eventually(Duration::from_secs(30), "drift repaired, every live record delivered", || async {
+        let have = replica.records.lock().unwrap().len();
+        FeedStatus::get(&status.drift_repairs) == 1 && have == 300 + written
+    })
+    .await;
+    assert_replica_equals_storage(&h, &replica, &[1]).await;
+    let _ = stop.send(());
+    task.await.unwrap();
+}

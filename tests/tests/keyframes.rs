@@ -275,11 +275,14 @@ async fn one_place_keyframe_publishes_only_that_place() {
     assert_eq!(marked(&place_changes(&h, BRAND, 1).await), 0, "no marker for the other place");
 }
 
-/// The key property: the marker sits exactly at the snapshot point, so a
-/// consumer that folds every change before it holds exactly the keyframe.
+/// The key properties: the keyframe is the place exactly after the command
+/// it was frozen at (`command_seq`), and the marker's digest is the place
+/// exactly where the marker sits in the change stream — later, since the
+/// keyframe is published (here slowly, paced) while live writes go on.
 #[tokio::test]
 async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
-    let (_env, h, _storage) = start(|_| {}).await;
+    // 300 records a second: each place's parts take a second to go out.
+    let (_env, h, _storage) = start(|s| s.storage.keyframe_rate = 300).await;
     let places = [1, 2, 3];
     const ITEMS: usize = 300;
     write_places(&h, &places, ITEMS).await;
@@ -337,8 +340,18 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
     writer.await.expect("writer task").expect("writer sends");
     h.wait_settled().await;
 
-    let (mut live_before, mut live_after) = (0usize, 0usize);
+    let (mut live_before, mut live_after, mut live_between) = (0usize, 0usize, 0usize);
     let mut records_total = 0u64;
+    let fold = |batches: &[&ChangeBatch]| {
+        let mut state: BTreeMap<String, i64> = BTreeMap::new();
+        for b in batches {
+            for c in &b.changes {
+                let after = c.after.as_ref().expect("every change carries the record after");
+                state.insert(c.key.as_ref().expect("key").product_id.clone(), after.updated_at);
+            }
+        }
+        state
+    };
     for place in places {
         let keyframes = keyframes_of(&h, BRAND, place).await;
         assert_eq!(keyframes.len(), 1, "place {place}");
@@ -356,7 +369,6 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
             assert!(now.is_some(), "{} is in the keyframe but not in storage", product_id(r));
         }
 
-        // Replay the place's change stream up to the marker.
         let changes = place_changes(&h, BRAND, place).await;
         let at = changes
             .iter()
@@ -366,40 +378,33 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
             .expect("the place's marker is on its change subject");
         assert_eq!(changes.iter().filter(|(_, b)| b.keyframe.is_some()).count(), 1);
         let mark = changes[at].1.keyframe.clone().expect("marker");
-        let mut replay: BTreeMap<String, i64> = BTreeMap::new();
-        let mut changes_before = 0;
-        for (_, b) in &changes[..at] {
-            for c in &b.changes {
-                let after = c.after.as_ref().expect("every change carries the record after");
-                let id = c.key.as_ref().expect("key").product_id.clone();
-                replay.insert(id, after.updated_at);
-                changes_before += 1;
-            }
-        }
-        live_before += changes_before - ITEMS;
-        live_after += changes[at + 1..].iter().map(|(_, b)| b.changes.len()).sum::<usize>();
+        let before: Vec<&ChangeBatch> = changes[..at].iter().map(|(_, b)| b).collect();
 
+        // The keyframe: every change of a command up to the frozen one.
+        let frozen: Vec<&ChangeBatch> =
+            before.iter().copied().filter(|b| b.command_seq <= last.command_seq).collect();
+        let at_freeze = fold(&frozen);
         let snapshot: BTreeMap<String, i64> =
             records.iter().map(|r| (product_id(r).to_string(), r.updated_at)).collect();
-        let d = digest_of(replay.iter().map(|(id, at)| (id.as_str(), *at)));
-        assert_eq!(
-            replay.len(),
-            snapshot.len(),
-            "place {place}: replay up to the marker has {} records, the keyframe {}",
-            replay.len(),
-            snapshot.len()
-        );
         assert!(
-            replay == snapshot,
-            "place {place}: replay up to the marker differs from the keyframe"
+            at_freeze == snapshot,
+            "place {place}: keyframe differs from a replay to its freeze"
         );
+        let d = digest_of(at_freeze.iter().map(|(id, at)| (id.as_str(), *at)));
+        assert_eq!((last.total, last.digest), (d.count, d.sum), "place {place}: keyframe digest");
+
+        // The marker: every change before it in the stream.
+        let at_marker = fold(&before);
+        let d = digest_of(at_marker.iter().map(|(id, at)| (id.as_str(), *at)));
         assert_eq!((mark.total, mark.digest), (d.count, d.sum), "place {place}: marker vs replay");
-        assert_eq!(
-            (last.total, last.digest),
-            (d.count, d.sum),
-            "place {place}: keyframe vs replay"
-        );
+
+        let changes_before: usize = before.iter().map(|b| b.changes.len()).sum();
+        live_before += changes_before - ITEMS;
+        live_between += before.len() - frozen.len();
+        live_after += changes[at + 1..].iter().map(|(_, b)| b.changes.len()).sum::<usize>();
     }
+    println!("live change batches between freezes and markers: {live_between}");
+    assert!(live_between > 0, "no live write landed between a freeze and its marker");
     println!("live changes: {live_before} before the markers, {live_after} after");
     assert_eq!(reply.records, records_total);
     assert!(live_before > 0, "no live write landed before the keyframe");

@@ -180,6 +180,7 @@ impl App {
                 max_bytes,
                 ready: self.ready.clone(),
                 keyframe_limits: keyframe_limits.clone(),
+                changed_since_freeze: Default::default(),
             };
             let worker = Arc::new(worker);
             let rx = stop_rx.clone();

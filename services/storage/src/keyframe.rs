@@ -1,23 +1,29 @@
-//! Keyframes (DESIGN §4): consistent per-place snapshots, copied by the
-//! partition worker between two command messages, so no command of the place
-//! is applied in the middle of its snapshot.
+//! Keyframes (DESIGN §4): consistent per-place snapshots that hold back
+//! live changes only for one Redis step per place.
 //!
-//! For each place, in the worker: note where the change stream stands, copy
-//! the records (HSCAN) into `KeyframeBatch`es, the last one with the count and
-//! digest, and put a `KeyframeMark` on the place's change subject — the exact
-//! point in the change stream where a consumer compares its own digest. Then,
-//! while the worker goes on with commands, a task publishes the parts and
-//! purges keyframes older than the configured number. A replica-wide
-//! semaphore (`storage.keyframe_concurrency`) bounds the places in hand, so
-//! a keyframe of everything holds back one partition at a time, each for the
-//! time of one copy, instead of every partition for the time of its places.
+//! For each place:
+//! 1. **freeze**, in the partition's worker between two command messages:
+//!    `COPY` the place's records and generations to keys only the keyframe
+//!    reads, atomically with reading the applied sequence;
+//! 2. **publish**, in a task while the worker goes on: stream the frozen
+//!    records (HSCAN) as `KeyframeBatch`es at the replica's pace
+//!    (`storage.keyframe_rate`), the last one with the count and digest;
+//!    purge keyframes older than the configured number;
+//! 3. **mark**, in the worker between two command messages: put a
+//!    `KeyframeMark` on the place's change subject. Its digest is the frozen
+//!    one brought up to that point in the stream by the records the worker
+//!    changed since the freeze, so a consumer compares its own digest at the
+//!    marker exactly as if the place had been snapshotted there; then drop
+//!    the frozen copy.
+//!
+//! A replica-wide semaphore (`storage.keyframe_concurrency`) bounds the
+//! places in hand, and each worker has at most one.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use prost::Message;
 use shelfsync_bus::Publisher;
 use shelfsync_bus::digest::Digest;
@@ -29,9 +35,8 @@ use crate::worker::Worker;
 
 /// Records read per HSCAN step.
 const SCAN_COUNT: usize = 1000;
-/// Encoded records of one place held in memory between its copy and its
-/// publication; beyond it, parts are published during the copy.
-const COPY_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// A frozen copy left behind by a keyframe that never finished expires.
+const FROZEN_TTL: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
 
 /// One keyframe request as a worker sees it.
 pub struct KeyframeJob {
@@ -168,74 +173,94 @@ pub fn keyframe_id_at(unix_micros: i64) -> String {
     format!("kf-{unix_micros}")
 }
 
-/// A place's snapshot copied out of Redis: the parts not yet published, in
-/// order, the last one with the count and digest.
-pub(crate) struct PlaceCopy {
-    subject: String,
-    brand_id: i64,
-    place_id: i64,
-    parts: Vec<KeyframeBatch>,
-    /// Sequence of part 0, once published.
-    first_seq: Option<u64>,
-    records: u64,
+/// A place frozen for its keyframe: where it was frozen, and how.
+#[derive(Debug, Clone)]
+pub(crate) struct Frozen {
+    pub keyframe_id: String,
+    pub changes_seq: u64,
+    pub brand_id: i64,
+    pub place_id: i64,
+    /// The partition's applied command sequence at the freeze.
+    pub command_seq: u64,
+    pub as_of: i64,
+    pub tombstone_cutoff: i64,
+}
+
+impl Frozen {
+    /// Whether a record counts in the digest: expired tombstones are as
+    /// good as purged.
+    fn counts(&self, r: &Record) -> bool {
+        !(r.deleted && r.updated_at < self.tombstone_cutoff)
+    }
 }
 
 impl Worker {
-    /// Copies one place's records and puts the keyframe's marker in the
-    /// change stream. Runs inside the partition's worker loop, between two
-    /// command messages, so the copy and the marker's place in the stream
-    /// agree; the parts are published afterwards by [`Worker::publish_copy`],
-    /// while the partition goes on. Parts beyond [`COPY_MAX_BYTES`] are
-    /// published here, so a huge place cannot fill the memory.
-    pub(crate) async fn copy_place(
+    /// Freezes a place (one Redis step). Runs inside the partition's worker
+    /// loop, between two command messages, so the frozen copy is the place
+    /// exactly after the last applied command.
+    pub(crate) async fn freeze(
         &self,
         keyframe_id: &str,
         changes_seq: u64,
         brand_id: i64,
         place_id: i64,
-        publisher: &mut Publisher,
-    ) -> anyhow::Result<PlaceCopy> {
-        let partition = self.partition.0;
-        // The outbox is drained after every message, so every change of this
-        // place up to `command_seq` is already in the CHANGES stream.
-        let command_seq = self.store.applied_seq(partition).await?;
+    ) -> anyhow::Result<Frozen> {
+        let command_seq =
+            self.store.freeze_place(self.partition.0, brand_id, place_id, FROZEN_TTL).await?;
         let as_of = chrono::Utc::now().timestamp_micros();
-        let tombstone_cutoff = as_of - self.settings.storage.tombstone_ttl.as_micros() as i64;
-        let mut copy = PlaceCopy {
-            subject: self.subjects.keyframes(brand_id, place_id),
-            brand_id,
-            place_id,
-            parts: Vec::new(),
-            first_seq: None,
-            records: 0,
-        };
-        let part_of = |part: u32, records: Vec<Record>| KeyframeBatch {
+        Ok(Frozen {
             keyframe_id: keyframe_id.to_string(),
+            changes_seq,
             brand_id,
             place_id,
+            command_seq,
+            as_of,
+            tombstone_cutoff: as_of - self.settings.storage.tombstone_ttl.as_micros() as i64,
+        })
+    }
+
+    /// Publishes a frozen place as `KeyframeBatch`es at the replica's pace,
+    /// the last one with the count and digest, then purges keyframes older
+    /// than the configured number. Runs in a task while the partition goes
+    /// on. Returns the digest of the frozen records.
+    pub(crate) async fn publish_frozen(
+        &self,
+        f: &Frozen,
+        publisher: &mut Publisher,
+    ) -> anyhow::Result<Digest> {
+        let started = Instant::now();
+        let partition = self.partition.0;
+        let subject = self.subjects.keyframes(f.brand_id, f.place_id);
+        let part_of = |part: u32, records: Vec<Record>, first_seq: Option<u64>| KeyframeBatch {
+            keyframe_id: f.keyframe_id.clone(),
+            brand_id: f.brand_id,
+            place_id: f.place_id,
             part,
             records,
-            as_of,
-            command_seq,
-            changes_seq,
-            tombstone_cutoff,
+            as_of: f.as_of,
+            command_seq: f.command_seq,
+            changes_seq: f.changes_seq,
+            // Readers find part 0 from the last part.
+            first_seq: first_seq.unwrap_or(0),
+            tombstone_cutoff: f.tombstone_cutoff,
             ..Default::default()
         };
         let mut digest = Digest::default();
         let mut seen = HashSet::new();
         let mut pending = Vec::new();
         let mut pending_bytes = 0usize;
-        let mut held_bytes = 0usize;
         let mut part = 0u32;
+        let mut first_seq = None;
         let mut cursor = 0u64;
         loop {
-            let (next, records) =
-                self.store.scan_place(partition, brand_id, place_id, cursor, SCAN_COUNT).await?;
+            let (next, records) = self
+                .store
+                .scan_frozen(partition, f.brand_id, f.place_id, cursor, SCAN_COUNT)
+                .await?;
             for r in records {
                 let id = r.key.as_ref().map(|k| k.product_id.clone()).unwrap_or_default();
-                // Rehashing can repeat a field across HSCAN steps; expired
-                // tombstones are as good as purged.
-                if !seen.insert(id.clone()) || (r.deleted && r.updated_at < tombstone_cutoff) {
+                // Rehashing can repeat a field across HSCAN steps.
+                if !seen.insert(id.clone()) || !f.counts(&r) {
                     continue;
                 }
                 digest.add(&id, r.updated_at);
@@ -243,14 +268,13 @@ impl Worker {
                 if !pending.is_empty()
                     && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes)
                 {
-                    copy.parts.push(part_of(part, std::mem::take(&mut pending)));
+                    let records = std::mem::take(&mut pending);
+                    self.keyframe_limits.pace(records.len()).await;
+                    let batch = part_of(part, records, first_seq);
+                    let seq = self.publish_keyframe(&subject, batch, publisher).await?;
+                    first_seq.get_or_insert(seq);
                     part += 1;
-                    held_bytes += pending_bytes;
                     pending_bytes = 0;
-                    if held_bytes > COPY_MAX_BYTES {
-                        self.publish_parts(&mut copy, publisher, false).await?;
-                        held_bytes = 0;
-                    }
                 }
                 pending_bytes += len;
                 pending.push(r);
@@ -260,93 +284,89 @@ impl Worker {
                 break;
             }
         }
-        let mut last = part_of(part, pending);
+        self.keyframe_limits.pace(pending.len()).await;
+        let mut last = part_of(part, pending, first_seq);
         last.last = true;
         last.total = digest.count;
         last.digest = digest.sum;
-        copy.parts.push(last);
-        copy.records = digest.count;
-        // Parts published here must be in the stream before later ones,
-        // which go through another publisher.
+        let seq = self.publish_keyframe(&subject, last, publisher).await?;
+        let first_seq = first_seq.unwrap_or(seq);
         publisher.flush().await?;
 
-        // The marker goes after every earlier change of the place and before
-        // any later one: this worker applies nothing in between.
+        let keep = self.settings.storage.keyframes_kept;
+        if let Some(oldest_kept) = self
+            .store
+            .keyframe_published(partition, f.brand_id, f.place_id, first_seq, keep)
+            .await?
+        {
+            let stream = self.js.get_stream(self.subjects.keyframes_stream()).await?;
+            if let Err(e) = stream.purge().filter(&subject).sequence(oldest_kept).await {
+                warn!(%subject, error = %e, "purging old keyframes failed");
+            }
+        }
+        self.stats.add(&self.stats.keyframe_records, digest.count);
+        tracing::debug!(
+            brand_id = f.brand_id,
+            place_id = f.place_id,
+            records = digest.count,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "place keyframe published"
+        );
+        Ok(digest)
+    }
+
+    /// Puts the keyframe's marker on the place's change subject. Runs inside
+    /// the partition's worker loop, between two command messages, once the
+    /// parts are out: the marker goes after every change of the place applied
+    /// so far and before any later one, so its digest is the frozen one
+    /// brought up to now by the records `changed` since the freeze.
+    pub(crate) async fn mark(
+        &self,
+        f: &Frozen,
+        frozen: Digest,
+        changed: &HashSet<String>,
+        publisher: &mut Publisher,
+    ) -> anyhow::Result<u64> {
+        let partition = self.partition.0;
+        let records = frozen.count;
+        let mut digest = frozen;
+        let ids: Vec<String> = changed.iter().cloned().collect();
+        for chunk in ids.chunks(SCAN_COUNT) {
+            let (then, now) =
+                self.store.frozen_and_live(partition, f.brand_id, f.place_id, chunk).await?;
+            for ((id, then), now) in chunk.iter().zip(then).zip(now) {
+                if let Some(r) = then.filter(|r| f.counts(r)) {
+                    digest.remove(id, r.updated_at);
+                }
+                if let Some(r) = now.filter(|r| f.counts(r)) {
+                    digest.add(id, r.updated_at);
+                }
+            }
+        }
+        let command_seq = self.store.applied_seq(partition).await?;
         let mark = ChangeBatch {
             partition,
             command_seq,
             keyframe: Some(KeyframeMark {
-                keyframe_id: keyframe_id.to_string(),
+                keyframe_id: f.keyframe_id.clone(),
                 total: digest.count,
                 digest: digest.sum,
-                as_of,
-                tombstone_cutoff,
+                as_of: f.as_of,
+                tombstone_cutoff: f.tombstone_cutoff,
             }),
             ..Default::default()
         };
         publisher
             .publish(
-                self.subjects.changes(brand_id, place_id),
-                format!("kfm:{keyframe_id}:{brand_id}:{place_id}:{as_of}"),
+                self.subjects.changes(f.brand_id, f.place_id),
+                format!("kfm:{}:{}:{}:{}", f.keyframe_id, f.brand_id, f.place_id, f.as_of),
                 msg_type::CHANGE_BATCH,
                 None,
                 mark.encode_to_vec().into(),
             )
             .await?;
         publisher.flush().await?;
-        Ok(copy)
-    }
-
-    /// Publishes the parts of a copied place, then purges keyframes older
-    /// than the configured number. Returns the number of records.
-    pub(crate) async fn publish_copy(
-        &self,
-        mut copy: PlaceCopy,
-        publisher: &mut Publisher,
-    ) -> anyhow::Result<u64> {
-        let started = Instant::now();
-        self.publish_parts(&mut copy, publisher, true).await?;
-        publisher.flush().await?;
-        let first_seq = copy.first_seq.context("a keyframe has at least one part")?;
-        let keep = self.settings.storage.keyframes_kept;
-        let (partition, brand_id, place_id) = (self.partition.0, copy.brand_id, copy.place_id);
-        if let Some(oldest_kept) =
-            self.store.keyframe_published(partition, brand_id, place_id, first_seq, keep).await?
-        {
-            let stream = self.js.get_stream(self.subjects.keyframes_stream()).await?;
-            if let Err(e) = stream.purge().filter(&copy.subject).sequence(oldest_kept).await {
-                warn!(subject = %copy.subject, error = %e, "purging old keyframes failed");
-            }
-        }
-        self.stats.add(&self.stats.keyframe_records, copy.records);
-        tracing::debug!(
-            brand_id,
-            place_id,
-            records = copy.records,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "place keyframe published"
-        );
-        Ok(copy.records)
-    }
-
-    /// Publishes the parts held in `copy`, in order; `paced`: at the
-    /// replica's keyframe rate (`storage.keyframe_rate`).
-    async fn publish_parts(
-        &self,
-        copy: &mut PlaceCopy,
-        publisher: &mut Publisher,
-        paced: bool,
-    ) -> anyhow::Result<()> {
-        for mut batch in std::mem::take(&mut copy.parts) {
-            if paced {
-                self.keyframe_limits.pace(batch.records.len()).await;
-            }
-            // Readers find part 0 from the last part.
-            batch.first_seq = copy.first_seq.unwrap_or(0);
-            let seq = self.publish_keyframe(&copy.subject, batch, publisher).await?;
-            copy.first_seq.get_or_insert(seq);
-        }
-        Ok(())
+        Ok(records)
     }
 
     async fn publish_keyframe(

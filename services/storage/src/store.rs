@@ -88,6 +88,14 @@ impl Keys {
     pub fn keyframes(&self, brand: i64, place: i64) -> String {
         format!("{}:kf:{brand}:{place}", self.tag)
     }
+    /// A place's records as a keyframe froze them (deleted once published).
+    pub fn frozen_records(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfr:{brand}:{place}", self.tag)
+    }
+    /// A place's generations as a keyframe froze them.
+    pub fn frozen_gens(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfg:{brand}:{place}", self.tag)
+    }
 }
 
 /// What a batch needs from Redis before it is applied.
@@ -600,10 +608,101 @@ impl Store {
         Ok(out)
     }
 
-    /// One HSCAN step over a place's records (key and generation filled in).
-    /// Returns the next cursor (0 when done). Duplicates are possible across
-    /// steps if the hash is rehashed; callers dedupe.
-    pub async fn scan_place(
+    /// Freezes a place for its keyframe: copies its records and generations
+    /// (Redis `COPY`, in C, one atomic step with reading the sequence) to keys
+    /// of the same slot that only the keyframe reads. Returns the partition's
+    /// applied sequence at that point. The copies expire after `ttl` if the
+    /// keyframe never gets to [`Store::thaw_place`].
+    pub async fn freeze_place(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        ttl: std::time::Duration,
+    ) -> Result<u64, StoreError> {
+        let keys = self.keys(partition);
+        let (records, gens) =
+            (keys.frozen_records(brand_id, place_id), keys.frozen_gens(brand_id, place_id));
+        let ttl_ms = ttl.as_millis() as u64;
+        let mut conn = self.conn.clone();
+        let (seq,): (Option<u64>,) = redis::pipe()
+            .atomic()
+            .get(keys.seq())
+            .cmd("COPY")
+            .arg(keys.records(brand_id, place_id))
+            .arg(&records)
+            .arg("REPLACE")
+            .ignore()
+            .cmd("COPY")
+            .arg(keys.gens(brand_id, place_id))
+            .arg(&gens)
+            .arg("REPLACE")
+            .ignore()
+            .pexpire(&records, ttl_ms as i64)
+            .ignore()
+            .pexpire(&gens, ttl_ms as i64)
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(seq.unwrap_or(0))
+    }
+
+    /// Drops what [`Store::freeze_place`] copied.
+    pub async fn thaw_place(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+    ) -> Result<(), StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let _: () = redis::cmd("DEL")
+            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(keys.frozen_gens(brand_id, place_id))
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Some records of a place, as frozen and as they are now (`None`:
+    /// absent), in the order of `ids`.
+    pub async fn frozen_and_live(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        ids: &[String],
+    ) -> Result<(Vec<Option<Record>>, Vec<Option<Record>>), StoreError> {
+        if ids.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let (frozen, live): (Column, Column) = redis::pipe()
+            .cmd("HMGET")
+            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(ids)
+            .cmd("HMGET")
+            .arg(keys.records(brand_id, place_id))
+            .arg(ids)
+            .query_async(&mut conn)
+            .await?;
+        let decode = |col: Column| -> Result<Vec<Option<Record>>, StoreError> {
+            ids.iter()
+                .zip(col)
+                .map(|(id, raw)| {
+                    Ok(self.slot(&keys, brand_id, place_id, id, raw.as_deref(), None)?.record)
+                })
+                .collect()
+        };
+        Ok((decode(frozen)?, decode(live)?))
+    }
+
+    /// One HSCAN step over a place's records as [`Store::freeze_place`]
+    /// froze them (key and generation filled in). Returns the next cursor (0
+    /// when done). Duplicates are possible across steps if the hash is
+    /// rehashed; callers dedupe.
+    pub async fn scan_frozen(
         &self,
         partition: u32,
         brand_id: i64,
@@ -614,7 +713,7 @@ impl Store {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
         let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
-            .arg(keys.records(brand_id, place_id))
+            .arg(keys.frozen_records(brand_id, place_id))
             .arg(cursor)
             .arg("COUNT")
             .arg(count)
@@ -630,7 +729,7 @@ impl Store {
         }
         let ids: Vec<&str> = pairs.iter().map(|(id, _)| id.as_str()).collect();
         let gens: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
-            .arg(keys.gens(brand_id, place_id))
+            .arg(keys.frozen_gens(brand_id, place_id))
             .arg(&ids)
             .query_async(&mut conn)
             .await?;

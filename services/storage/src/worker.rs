@@ -17,13 +17,14 @@
 //! (`storage.relay`) under it, so the changes continue the import's trace
 //! even when they are relayed after a restart.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use prost::Message;
+use shelfsync_bus::digest::Digest;
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
 use shelfsync_settings::Settings;
@@ -33,7 +34,7 @@ use tracing::{Instrument, debug, error, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
-use crate::keyframe::{KeyframeJob, KeyframeLimits};
+use crate::keyframe::{Frozen, KeyframeJob, KeyframeLimits};
 use crate::stats::{Readiness, Stats};
 use crate::store::{Commit, Store, StoreError};
 
@@ -66,6 +67,8 @@ pub struct Worker {
     pub ready: Arc<Readiness>,
     /// Places in hand and records per second of keyframes, across the replica.
     pub keyframe_limits: Arc<KeyframeLimits>,
+    /// The place frozen for a keyframe, and the records changed since.
+    pub changed_since_freeze: std::sync::Mutex<Option<ChangedSinceFreeze>>,
 }
 
 /// W3C trace context kept with outbox entries.
@@ -83,6 +86,19 @@ struct PlaceSnapshot {
     place_id: i64,
     progress: std::sync::Arc<crate::keyframe::JobProgress>,
     last_of_job: bool,
+}
+
+/// The frozen place and the ids of its records changed since the freeze.
+pub type ChangedSinceFreeze = ((i64, i64), HashSet<String>);
+
+/// A place between its freeze and its marker.
+struct InHand {
+    snapshot: PlaceSnapshot,
+    frozen: Frozen,
+    started: Instant,
+    /// Publishes the parts; gives the frozen digest.
+    task: tokio::task::JoinHandle<anyhow::Result<Digest>>,
+    span: tracing::Span,
 }
 
 enum Handled {
@@ -163,7 +179,7 @@ impl Worker {
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
-        let mut publishing: Option<tokio::task::JoinHandle<()>> = None;
+        let mut in_hand: Option<InHand> = None;
         // Its own receiver: one the handlers wait on could miss the change.
         let mut stop = shutdown.clone();
         loop {
@@ -186,23 +202,27 @@ impl Worker {
                     self.process(msg, &mut publisher, &mut shutdown).await;
                 }
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
-                _ = async { publishing.as_mut().expect("guarded").await }, if publishing.is_some() => {
-                    publishing = None;
+                published = async { (&mut in_hand.as_mut().expect("guarded").task).await },
+                    if in_hand.is_some() =>
+                {
+                    let hand = in_hand.take().expect("guarded");
+                    self.finish_snapshot(hand, published, &mut publisher).await;
                 }
                 permit = self.keyframe_limits.permits.clone().acquire_owned(),
-                    if publishing.is_none() && !snapshots.is_empty() =>
+                    if in_hand.is_none() && !snapshots.is_empty() =>
                 {
                     if let (Ok(permit), Some(s)) = (permit, snapshots.pop_front()) {
-                        publishing = self.clone().snapshot(s, permit, &mut publisher).await;
+                        in_hand = self.start_snapshot(s, permit).await;
                     }
                 }
                 _ = purge.tick() => self.purge().await,
             }
         }
-        // A keyframe's parts already on their way are finished: a reader
-        // would otherwise wait for a keyframe that never completes.
-        if let Some(task) = publishing {
-            let _ = task.await;
+        // A keyframe on its way is finished, marker included: a reader would
+        // otherwise wait for a keyframe that never completes.
+        if let Some(mut hand) = in_hand {
+            let published = (&mut hand.task).await;
+            self.finish_snapshot(hand, published, &mut publisher).await;
         }
         // Stop pulling. With one message unacked at most, the next one may be
         // on its way already: catch it, unsubscribe, then hand it back (nak)
@@ -249,14 +269,13 @@ impl Worker {
         }
     }
 
-    /// Copies one place and puts its marker in the change stream, then
-    /// hands the publication of its parts to a task holding `permit`.
-    async fn snapshot(
-        self: Arc<Self>,
+    /// Freezes one place, then hands the publication of its parts to a task
+    /// holding `permit`.
+    async fn start_snapshot(
+        self: &Arc<Self>,
         s: PlaceSnapshot,
         permit: OwnedSemaphorePermit,
-        publisher: &mut Publisher,
-    ) -> Option<tokio::task::JoinHandle<()>> {
+    ) -> Option<InHand> {
         let started = Instant::now();
         let span = tracing::info_span!(
             "storage.keyframe_place",
@@ -265,27 +284,77 @@ impl Worker {
             brand_id = s.brand_id,
             place_id = s.place_id,
         );
-        let copied = self
-            .copy_place(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id, publisher)
+        let frozen = self
+            .freeze(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id)
             .instrument(span.clone())
             .await;
         self.stats.observe_keyframe_place(started.elapsed());
-        let copy = match copied {
-            Ok(copy) => copy,
+        let frozen = match frozen {
+            Ok(f) => f,
             Err(e) => {
                 self.snapshot_done(&s, Err(e), started).await;
                 return None;
             }
         };
-        Some(tokio::spawn(
+        *self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(((s.brand_id, s.place_id), HashSet::new()));
+        let this = self.clone();
+        let f = frozen.clone();
+        let task = tokio::spawn(
             async move {
-                let mut publisher = Publisher::new(self.js.clone(), KEYFRAME_INFLIGHT);
-                let published = self.publish_copy(copy, &mut publisher).await;
+                let mut publisher = Publisher::new(this.js.clone(), KEYFRAME_INFLIGHT);
+                let published = this.publish_frozen(&f, &mut publisher).await;
                 drop(permit);
-                self.snapshot_done(&s, published, started).await;
+                published
             }
-            .instrument(span),
-        ))
+            .instrument(span.clone()),
+        );
+        Some(InHand { snapshot: s, frozen, started, task, span })
+    }
+
+    /// Once the parts are out: the marker, then the frozen copy is dropped.
+    async fn finish_snapshot(
+        &self,
+        hand: InHand,
+        published: Result<anyhow::Result<Digest>, tokio::task::JoinError>,
+        publisher: &mut Publisher,
+    ) {
+        let changed = self
+            .changed_since_freeze
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .map(|(_, ids)| ids)
+            .unwrap_or_default();
+        let result = match published {
+            Ok(Ok(digest)) => {
+                self.mark(&hand.frozen, digest, &changed, publisher)
+                    .instrument(hand.span.clone())
+                    .await
+            }
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(anyhow::anyhow!("keyframe task: {e}")),
+        };
+        let f = &hand.frozen;
+        if let Err(e) = self.store.thaw_place(self.partition.0, f.brand_id, f.place_id).await {
+            warn!(
+                partition = %self.partition, brand_id = f.brand_id, place_id = f.place_id,
+                error = %e, "dropping a frozen place failed (it expires)"
+            );
+        }
+        self.snapshot_done(&hand.snapshot, result, hand.started).await;
+    }
+
+    /// Notes the records of the frozen place that a commit changed.
+    fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
+        let mut tracked = self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(((b, p), ids)) = tracked.as_mut() {
+            for ((kb, kp, id), slot) in slots {
+                if kb == b && kp == p && slot.record_dirty {
+                    ids.insert(id.clone());
+                }
+            }
+        }
     }
 
     async fn snapshot_done(
@@ -459,6 +528,7 @@ impl Worker {
                 .await?
             {
                 Commit::Done => {
+                    self.note_changed(&loaded.slots);
                     let s = &self.stats;
                     s.add(&s.batches, 1);
                     s.add(&s.commands, batch.commands.len() as u64);

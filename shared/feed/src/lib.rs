@@ -397,10 +397,23 @@ impl ChangeFeed {
                     ours = ?ours, keyframe = ?theirs, keyframe_id = %mark.keyframe_id,
                     "place drifted from its keyframe: resyncing"
                 );
-                self.resync(place, mark, handler).await?;
+                let marker_seq = msg.info().map(|i| i.stream_sequence).map_err(|e| {
+                    HandlerError::Poison(format!("marker without JetStream metadata: {e}"))
+                })?;
+                self.resync(place, mark, marker_seq, handler).await?;
             }
             return Ok(());
         }
+        self.apply_changes(&batch, handler).await
+    }
+
+    /// Hands the handler the changes of a batch that are newer than what it
+    /// has, and remembers them.
+    async fn apply_changes<H: Handler>(
+        &mut self,
+        batch: &ChangeBatch,
+        handler: &mut H,
+    ) -> Result<(), HandlerError> {
         // Only versions newer than what was delivered (also within the batch).
         let mut updates: Vec<Update> = Vec::with_capacity(batch.changes.len());
         let mut seen_here: std::collections::HashMap<(i64, i64, &str), i64> = Default::default();
@@ -442,6 +455,7 @@ impl ChangeFeed {
         &mut self,
         place: Place,
         mark: &KeyframeMark,
+        marker_seq: u64,
         handler: &mut H,
     ) -> Result<(), HandlerError> {
         let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
@@ -460,8 +474,59 @@ impl ChangeFeed {
             return Ok(());
         };
         self.load_keyframe(&reader, &keyframe, handler).await.map_err(|e| transient(&e))?;
+        // The keyframe is the place when storage froze it; the marker comes
+        // later in the stream. What changed in between is applied again.
+        self.replay(place, keyframe.last.changes_seq + 1, marker_seq, handler).await?;
         self.status.drift_repairs.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(names::FEED_DRIFT_REPAIRS).increment(1);
+        Ok(())
+    }
+}
+
+impl ChangeFeed {
+    /// Applies the changes of a place stored in `[from, until)`, newer-only.
+    async fn replay<H: Handler>(
+        &mut self,
+        place: Place,
+        from: u64,
+        until: u64,
+        handler: &mut H,
+    ) -> Result<(), HandlerError> {
+        let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
+        let stream =
+            self.js.get_stream(self.subjects.changes_stream()).await.map_err(|e| transient(&e))?;
+        let subject = self.subjects.changes(place.0, place.1);
+        let mut seq = from.max(1);
+        while seq < until {
+            let msg = match stream
+                .raw_message_builder()
+                .sequence(seq)
+                .next_by_subject(subject.clone())
+                .send()
+                .await
+            {
+                Ok(m) => m,
+                Err(e)
+                    if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+                {
+                    break;
+                }
+                Err(e) => return Err(transient(&e)),
+            };
+            if msg.sequence >= until {
+                break;
+            }
+            seq = msg.sequence + 1;
+            match ChangeBatch::decode(msg.payload.as_ref()) {
+                Ok(batch) if batch.keyframe.is_none() => {
+                    self.apply_changes(&batch, handler).await?
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(%subject, seq = msg.sequence, error = %e, "not a ChangeBatch; skipped")
+                }
+            }
+        }
         Ok(())
     }
 }
