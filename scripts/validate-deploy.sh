@@ -477,7 +477,9 @@ def consumer_takeover(stream, name, filt):
 
 
 KF_READ = [f"$JS.API.STREAM.INFO.{KF}", f"$JS.API.DIRECT.GET.{KF}",
-           f"$JS.API.DIRECT.GET.{KF}.{PREFIX}.keyframes.7.42"]
+           f"$JS.API.DIRECT.GET.{KF}.{PREFIX}.keyframes.7.42",
+           # a feed's drift repair re-reads a place's changes
+           f"$JS.API.STREAM.MSG.GET.{CHG}"]
 REC = "recommender-1f2e-18a7c3b2d4e5f607-0"
 
 # What every user must be able to do (from the code: shared/bus, shared/feed, services/*), and
