@@ -94,6 +94,8 @@ async fn consumer_credentials_cannot_publish_commands_or_read_other_services_sub
     let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
     let mut base = settings_for(&env);
     base.storage.keyframe_schedule = String::new();
+    // Two records a second: a change can land while a keyframe goes out.
+    base.storage.keyframe_rate = 2;
     base.nats.request_timeout = Duration::from_secs(2);
     // The operator creates the streams; every service runs as its own user.
     let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
@@ -198,6 +200,38 @@ async fn consumer_credentials_cannot_publish_commands_or_read_other_services_sub
     assert_eq!(stream.info().await.expect("info").state.last_sequence, 3, "only admin's commands");
     eventually(Duration::from_secs(30), "the aggregator's feed saw every change", || async {
         mirror.applied.lock().expect("lock").len() == 3
+    })
+    .await;
+
+    // A drift repair works under the aggregator's permissions: it reloads
+    // the keyframe (direct gets) and reads the place's changes since then
+    // again (STREAM.MSG.GET on the change stream). The feed misses a change:
+    // paused while it is stored, and it is deleted (as admin) before resuming.
+    let paused = feed.stop().await;
+    let before = h.changes_last_seq().await.expect("changes");
+    h.send(vec![patch(BRAND, 1, "sku-2", &product("Tulips", 7, 1), 0)]).await.expect("import");
+    h.wait_settled().await;
+    let last = h.changes_last_seq().await.expect("changes");
+    let stream = h.js.get_stream(&changes_stream).await.expect("stream");
+    for seq in before + 1..=last {
+        assert!(stream.delete_message(seq).await.expect("delete"), "deleted #{seq}");
+    }
+    let feed = RunningFeed::start("aggregator", paused, mirror.clone());
+    // A change stored while the keyframe is out (paced): the repair must
+    // read it again from the stream, since it is after the keyframe.
+    let keyframe = tokio::spawn({
+        let (client, subjects) = (h.client.clone(), h.subjects.clone());
+        async move {
+            shelfsync_bus::request_keyframe(&client, &subjects, None, 1, Duration::from_secs(30))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.send(vec![patch(BRAND, 1, "sku-3", &product("Lilies", 9, 1), 0)]).await.expect("import");
+    keyframe.await.expect("task").expect("keyframe");
+    eventually(Duration::from_secs(30), "a drift repaired as `aggregator`", || async {
+        shelfsync_feed::FeedStatus::get(&feed.status.drift_repairs) == 1
+            && mirror.records.lock().expect("lock").len() == 3
     })
     .await;
     drop(feed);

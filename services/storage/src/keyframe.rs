@@ -142,7 +142,8 @@ impl KeyframeLimits {
 }
 
 /// Spreads work at a steady rate: each take books its share of time after
-/// the previous ones and waits for its turn (no burst beyond one take).
+/// the previous ones and waits until that share is over, so that no burst
+/// goes beyond the rate, not even the first.
 struct Pace {
     per_item: Duration,
     next: std::sync::Mutex<Instant>,
@@ -158,13 +159,12 @@ impl Pace {
 
     async fn take(&self, items: usize) {
         let now = Instant::now();
-        let start = {
+        let end = {
             let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
-            let start = (*next).max(now);
-            *next = start + self.per_item * items as u32;
-            start
+            *next = (*next).max(now) + self.per_item * items as u32;
+            *next
         };
-        tokio::time::sleep_until(start.into()).await;
+        tokio::time::sleep_until(end.into()).await;
     }
 }
 
