@@ -539,7 +539,7 @@ impl Report {
         if !self.keyframes.is_empty() {
             let _ = writeln!(
                 md,
-                "### Keyframes\n\n| keyframe | records | places | duration s | records/s | storage CPU s | longest place snapshot ms | live p99 during / without |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+                "### Keyframes\n\n| keyframe | records | places | duration s | records/s | storage CPU s | longest partition hold ms | live p99 during / without |\n|---|---:|---:|---:|---:|---:|---:|---:|"
             );
             for k in &self.keyframes {
                 let live = match (k.live_p99_ms, k.live_baseline_p99_ms) {
