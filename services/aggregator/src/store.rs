@@ -234,10 +234,6 @@ impl Store {
         &self,
         wanted: &BTreeMap<PlaceKey, Vec<String>>,
     ) -> Result<HashMap<(PlaceKey, String), Seen>, StoreError> {
-        if wanted.is_empty() {
-            // An empty pipeline is an error, not an empty answer.
-            return Ok(HashMap::new());
-        }
         let wanted: Vec<(&PlaceKey, &Vec<String>)> = wanted.iter().collect();
         let values = self
             .by_slot(
@@ -315,9 +311,6 @@ impl Store {
         &self,
         cards: &BTreeMap<CardId, CardWork>,
     ) -> Result<Vec<CardOutcome>, StoreError> {
-        if cards.is_empty() {
-            return Ok(Vec::new());
-        }
         let cards: Vec<(&CardId, &CardWork)> = cards.iter().collect();
         let values = self
             .by_slot(
@@ -386,9 +379,6 @@ impl Store {
         &self,
         places: &BTreeMap<PlaceKey, PlaceWork>,
     ) -> Result<Vec<CategoryOutcome>, StoreError> {
-        if places.is_empty() {
-            return Ok(Vec::new());
-        }
         let places: Vec<(&PlaceKey, &PlaceWork)> = places.iter().collect();
         let values = self
             .by_slot(
