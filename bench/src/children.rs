@@ -12,8 +12,9 @@ use anyhow::{Context, bail};
 use shelfsync_bus::Subjects;
 use shelfsync_settings::Settings;
 
-use crate::world::{World, free_port, settings_env};
+use crate::world::{World, free_port};
 use crate::{http, measure};
+use shelfsync_testkit::settings_env;
 
 pub struct ChildProc {
     child: std::process::Child,

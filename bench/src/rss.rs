@@ -18,7 +18,8 @@ use crate::children::this_exe;
 use crate::feeds::{base_spec, write};
 use crate::measure;
 use crate::report::{Report, RssRow};
-use crate::world::{World, settings_env};
+use crate::world::World;
+use shelfsync_testkit::settings_env;
 
 pub async fn run(world: &World, report: &mut Report) -> anyhow::Result<()> {
     let settings = world.settings("br", 1);

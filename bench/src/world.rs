@@ -119,22 +119,6 @@ pub fn partner(prices_only: bool) -> PartnerSettings {
     }
 }
 
-/// The environment that reproduces `s` for a child process (`SHELFSYNC__SECTION__KEY`).
-pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
-    let ms = |d: Duration| format!("{}ms", d.as_millis());
-    vec![
-        ("SHELFSYNC__NATS__URL".into(), s.nats.url.clone()),
-        ("SHELFSYNC__NATS__PREFIX".into(), s.nats.prefix.clone()),
-        ("SHELFSYNC__REDIS__URL".into(), s.redis.url.clone()),
-        ("SHELFSYNC__REDIS__NAMESPACE".into(), s.redis.namespace.clone()),
-        ("SHELFSYNC__STORAGE__PARTITIONS".into(), s.storage.partitions.to_string()),
-        ("SHELFSYNC__STORAGE__ACK_WAIT".into(), ms(s.storage.ack_wait)),
-        ("SHELFSYNC__STORAGE__KEYFRAME_SCHEDULE".into(), s.storage.keyframe_schedule.clone()),
-        ("SHELFSYNC__STORAGE__HTTP_LISTEN".into(), s.storage.http_listen.clone()),
-        ("SHELFSYNC__TELEMETRY__LOG_LEVEL".into(), s.telemetry.log_level.clone()),
-    ]
-}
-
 /// A loopback port free right now (the child binds it a moment later).
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())

@@ -21,7 +21,7 @@ use shelfsync_storage::Store;
 use shelfsync_testkit::TestEnv;
 use tokio::sync::oneshot;
 
-pub use shelfsync_testkit::eventually;
+pub use shelfsync_testkit::{eventually, settings_env};
 
 /// How long a test waits for the pipeline to settle.
 pub const SETTLE: Duration = Duration::from_secs(30);
@@ -127,28 +127,6 @@ impl Drop for StorageProcess {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// The environment variables that reproduce `settings` for a child process.
-pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
-    vec![
-        ("SHELFSYNC__NATS__URL".into(), s.nats.url.clone()),
-        ("SHELFSYNC__NATS__PREFIX".into(), s.nats.prefix.clone()),
-        ("SHELFSYNC__REDIS__URL".into(), s.redis.url.clone()),
-        ("SHELFSYNC__REDIS__NAMESPACE".into(), s.redis.namespace.clone()),
-        ("SHELFSYNC__STORAGE__PARTITIONS".into(), s.storage.partitions.to_string()),
-        ("SHELFSYNC__STORAGE__ACK_WAIT".into(), humantime(s.storage.ack_wait)),
-        ("SHELFSYNC__STORAGE__RETRY_DELAY".into(), humantime(s.storage.retry_delay)),
-        ("SHELFSYNC__STORAGE__TOMBSTONE_TTL".into(), humantime(s.storage.tombstone_ttl)),
-        ("SHELFSYNC__STORAGE__PURGE_INTERVAL".into(), humantime(s.storage.purge_interval)),
-        ("SHELFSYNC__STORAGE__HTTP_LISTEN".into(), s.storage.http_listen.clone()),
-        ("SHELFSYNC__STORAGE__KEYFRAME_SCHEDULE".into(), s.storage.keyframe_schedule.clone()),
-        ("SHELFSYNC__INGEST__LISTEN".into(), s.ingest.listen.clone()),
-    ]
-}
-
-fn humantime(d: Duration) -> String {
-    format!("{}ms", d.as_millis())
 }
 
 /// A connection to the test's NATS and Redis, with helpers.
@@ -899,4 +877,62 @@ pub fn signal(pid: u32, signal: &str) {
         .status()
         .expect("running kill");
     assert!(status.success(), "kill -{signal} {pid} failed");
+}
+
+/// A private CA and a certificate for 127.0.0.1 signed by it, made with the
+/// `openssl` CLI: `(dir, ca.pem, cert.pem, key.pem)`.
+pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let p = |f: &str| dir.path().join(f).display().to_string();
+    let run = |args: &[&str]| {
+        let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
+        assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=shelfsync test CA",
+        "-keyout",
+        &p("ca-key.pem"),
+        "-out",
+        &p("ca.pem"),
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        &p("key.pem"),
+        "-out",
+        &p("req.csr"),
+    ]);
+    std::fs::write(p("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &p("req.csr"),
+        "-CA",
+        &p("ca.pem"),
+        "-CAkey",
+        &p("ca-key.pem"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &p("ext.cnf"),
+        "-out",
+        &p("cert.pem"),
+    ]);
+    let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
+    (dir, ca, cert, key)
 }

@@ -338,71 +338,9 @@ async fn a_wrong_redis_password_fails_storage_clearly_without_printing_it() {
 //
 // NATS: `[nats] tls_required`, `tls_ca_file`, `tls_cert_file`/`tls_key_file`
 // (mutual TLS), applied by `shelfsync_bus::connect`.
-// Redis (NOT DONE): the `[redis] tls_ca_file`, `tls_cert_file`, `tls_key_file`
-// keys exist but `shelfsync_redis::RedisConn::connect` does not apply them and
-// the redis crate is built without TLS: it needs the feature
-// `tokio-rustls-comp` (workspace Cargo.toml), `rediss://` URLs, and for a
-// private CA `redis::Client::build_with_tls(url, TlsCertificates { root_cert,
-// client_tls })` — for a cluster `ClusterClientBuilder::certs(..)`.
+// Redis: `rediss://` URLs with `[redis] tls_ca_file`, `tls_cert_file`,
+// `tls_key_file`, applied by `shelfsync_redis::RedisConn::connect`.
 // The env names below follow the settings' SHELFSYNC__SECTION__KEY rule.
-
-/// A private CA and a certificate for 127.0.0.1 signed by it, made with the
-/// `openssl` CLI: `(dir, ca.pem, cert.pem, key.pem)`.
-fn certificates() -> (tempfile::TempDir, String, String, String) {
-    let dir = tempfile::tempdir().expect("tmp");
-    let p = |f: &str| dir.path().join(f).display().to_string();
-    let run = |args: &[&str]| {
-        let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
-        assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=shelfsync test CA",
-        "-keyout",
-        &p("ca-key.pem"),
-        "-out",
-        &p("ca.pem"),
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        &p("key.pem"),
-        "-out",
-        &p("req.csr"),
-    ]);
-    std::fs::write(p("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("ext");
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        &p("req.csr"),
-        "-CA",
-        &p("ca.pem"),
-        "-CAkey",
-        &p("ca-key.pem"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        &p("ext.cnf"),
-        "-out",
-        &p("cert.pem"),
-    ]);
-    let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
-    (dir, ca, cert, key)
-}
 
 /// Settings from the environment-variable form (the form a deployment uses).
 fn settings_from(env: &TestEnv, extra: &[(&str, String)]) -> anyhow::Result<Settings> {
@@ -413,7 +351,7 @@ fn settings_from(env: &TestEnv, extra: &[(&str, String)]) -> anyhow::Result<Sett
 
 #[tokio::test]
 async fn nats_over_tls_is_switched_on_by_config() {
-    let (_certs, ca, cert, key) = certificates();
+    let (_certs, ca, cert, key) = test_certificates();
     let tls = format!(
         "tls {{\n  cert_file: \"{cert}\"\n  key_file: \"{key}\"\n  ca_file: \"{ca}\"\n}}\n"
     );
@@ -440,7 +378,7 @@ async fn nats_over_tls_is_switched_on_by_config() {
 
 #[tokio::test]
 async fn redis_over_tls_is_switched_on_by_config() {
-    let (_certs, ca, cert, key) = certificates();
+    let (_certs, ca, cert, key) = test_certificates();
     let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
         .expect("port")
         .local_addr()

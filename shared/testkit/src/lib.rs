@@ -9,6 +9,7 @@
 //!   a NATS cluster with clustered JetStream, node by node killable, for scale-out tests.
 //! - [`TestEnv`]: both servers plus a unique prefix/namespace for one test.
 //! - [`eventually`]: wait for a condition with a deadline instead of sleeping.
+//! - [`settings_env`]: the environment that hands settings to a child process.
 //! - [`workspace_bin`], [`nats_server_bin`], [`redis_server_bin`], [`redis_cli_bin`]: locate the
 //!   binaries to run.
 
@@ -16,6 +17,7 @@
 
 mod bins;
 mod cluster;
+mod env;
 mod nats;
 mod process;
 mod redis;
@@ -25,6 +27,7 @@ use std::time::{Duration, Instant};
 
 pub use bins::{nats_server_bin, redis_cli_bin, redis_server_bin, workspace_bin};
 pub use cluster::{NatsCluster, RedisCluster};
+pub use env::settings_env;
 pub use nats::NatsServer;
 pub use redis::RedisServer;
 
