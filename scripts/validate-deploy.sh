@@ -507,6 +507,7 @@ MATRIX = {
     "storage": dict(
         pub_ok=["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{s}" for s in (CMD, CHG, KF, AGG, REJ) for op in ("INFO", "UPDATE")),
                 *consumer_api(CMD, "storage-p5", f"{PREFIX}.cmd.5"), f"$JS.API.STREAM.PURGE.{KF}",
+                f"$JS.API.DIRECT.GET.{CMD}",  # reading ahead of the delivered command message
                 f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42"],
         pub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.aggregates.cards.north", f"$JS.API.STREAM.CREATE.{CMD}",
                 f"$JS.API.STREAM.DELETE.{CHG}", f"$JS.API.STREAM.PURGE.{CHG}",

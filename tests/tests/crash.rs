@@ -21,7 +21,10 @@ fn price(round: usize, i: usize) -> i64 {
 
 async fn crash_at(failpoint: &str) {
     let env = TestEnv::start().await.expect("servers");
-    let settings = settings_for(&env);
+    let mut settings = settings_for(&env);
+    // Two messages per commit (one read ahead), so that the 4th commit
+    // comes in the middle of the work and lands in a commit of two.
+    settings.storage.read_ahead = 1;
     let h = Harness::connect(settings.clone()).await.expect("harness");
 
     // Everything is queued before storage starts, in batches of ~50 commands,

@@ -27,6 +27,9 @@ async fn storage_aborted_at_every_step_boundary_of_a_churning_import_matches_the
     let env = TestEnv::start().await.expect("servers");
     let mut settings = settings_for(&env);
     settings.storage.keyframe_schedule = String::new();
+    // Two messages per commit (one read ahead): enough commits for four
+    // aborts, each of them in a commit of two.
+    settings.storage.read_ahead = 1;
     // A message in hand when storage dies comes back after the ack wait.
     settings.storage.ack_wait = Duration::from_secs(2);
     let h = Harness::connect(settings.clone()).await.expect("harness");

@@ -274,3 +274,33 @@ async fn graceful_stop_and_restart_resume_where_they_left() {
     h.wait_settled().await;
     assert_eq!(h.changes().await.unwrap().len(), 400);
 }
+
+/// Messages queued behind the delivered one are read from the stream and
+/// committed with it. The outcome is still the serial one: every record and
+/// every transition as if the messages had been applied one by one, sweeps
+/// and repeated keys included.
+#[tokio::test]
+async fn a_queue_is_committed_in_batches_read_ahead_with_the_serial_outcome() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = settings_for(&env);
+    let h = Harness::connect(settings.clone()).await.unwrap();
+    let places = [1, 2];
+    // Small messages (3 commands), so that many fit in one read-ahead.
+    let churn = Churn { brand: BRAND, places: places.to_vec(), items: 40, chunk: 3 };
+    let batches = churn.batches(settings.storage.partitions);
+    let mut model = SerialModel::new(settings.storage.partitions);
+    for b in &batches {
+        model.apply(b);
+    }
+    // The whole workload waits in the stream before storage starts.
+    h.publish_batches("queued", &batches).await.unwrap();
+    let storage = InProcessStorage::start(settings).await.unwrap();
+    h.wait_settled().await;
+    h.assert_serial(&model, BRAND, &places).await;
+    let stats = &storage.stats;
+    let get = shelfsync_storage::Stats::get;
+    assert_eq!(get(&stats.batches), batches.len() as u64, "each message committed once");
+    let ahead = get(&stats.batches_ahead);
+    eprintln!("{} messages, {ahead} committed ahead of their delivery", batches.len());
+    assert!(ahead > batches.len() as u64 / 2, "most of the queue was read ahead: {ahead}");
+}

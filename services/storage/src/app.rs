@@ -181,6 +181,8 @@ impl App {
                 ready: self.ready.clone(),
                 keyframe_limits: keyframe_limits.clone(),
                 changed_since_freeze: Default::default(),
+                committed_through: Default::default(),
+                ahead_paused_until: Default::default(),
             };
             let worker = Arc::new(worker);
             let rx = stop_rx.clone();

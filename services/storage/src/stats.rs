@@ -38,6 +38,9 @@ pub struct Stats {
     pub batches: AtomicU64,
     /// Redelivered command messages skipped as already applied.
     pub batches_skipped: AtomicU64,
+    /// Command messages read from the stream behind the one delivered and
+    /// committed with it (counted in `batches` too); acked unread later.
+    pub batches_ahead: AtomicU64,
     pub commands: AtomicU64,
     pub applied: AtomicU64,
     /// Applied commands that changed nothing observable.
@@ -70,6 +73,7 @@ impl Stats {
         serde_json::json!({
             "batches": g(&self.batches),
             "batches_skipped": g(&self.batches_skipped),
+            "batches_ahead": g(&self.batches_ahead),
             "commands": g(&self.commands),
             "applied": g(&self.applied),
             "unchanged": g(&self.unchanged),

@@ -4,6 +4,16 @@
 //!
 //! Order of effects for one message (crash anywhere is safe):
 //! load → apply → **commit** → publish outbox → trim outbox → ack.
+//!
+//! When more messages of the partition wait behind the one delivered (the
+//! delivery's `pending`), the worker reads up to `storage.read_ahead` of them
+//! straight from the stream (direct get, "next message on this subject after
+//! sequence N", so none can be missed or taken out of order) and commits them
+//! together with the delivered one: one load, one commit, one relay for all.
+//! Each keeps its own sequence, changes and outbox entries. They are acked
+//! when the consumer delivers them, with no Redis round trip: their sequence
+//! is at or below what this worker committed. Under load the queue makes
+//! the batches larger, so the work per message drops when it matters.
 //! A crash before the commit changes nothing (the message is redelivered); a
 //! crash after it leaves the outbox to be relayed at restart and the message
 //! to be skipped as already applied (its sequence is at or below the stored
@@ -19,6 +29,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
@@ -26,7 +37,9 @@ use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::digest::Digest;
 use shelfsync_bus::{Partition, Publisher, Subjects};
-use shelfsync_proto::{Change, ChangeBatch, OutboxEntry, Rejection, RejectionBatch, msg_type};
+use shelfsync_proto::{
+    Change, ChangeBatch, CommandBatch, OutboxEntry, Rejection, RejectionBatch, msg_type,
+};
 use shelfsync_settings::Settings;
 use shelfsync_telemetry::names;
 use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
@@ -53,6 +66,12 @@ const KEYFRAME_INFLIGHT: usize = 2;
 const CONSUMER_RETRY_MAX: Duration = Duration::from_secs(10);
 /// How long a stopping worker waits for a message already on its way.
 const HANDBACK_WAIT: Duration = Duration::from_millis(100);
+/// Messages read ahead of the delivered one (at most `storage.read_ahead`)
+/// are committed with it as long as they hold this many commands and sweeps
+/// together.
+const AHEAD_COMMANDS: usize = 1000;
+/// How long reading ahead pauses after a direct get failed.
+const AHEAD_PAUSE: Duration = Duration::from_secs(60);
 
 pub struct Worker {
     pub partition: Partition,
@@ -69,6 +88,11 @@ pub struct Worker {
     pub keyframe_limits: Arc<KeyframeLimits>,
     /// The place frozen for a keyframe, and the records changed since.
     pub changed_since_freeze: std::sync::Mutex<Option<ChangedSinceFreeze>>,
+    /// The highest command sequence this worker committed and relayed:
+    /// a delivery at or below it was applied ahead and is only acked.
+    pub committed_through: AtomicU64,
+    /// Reading ahead failed (no permission, a slow server): paused until then.
+    pub ahead_paused_until: std::sync::Mutex<Option<Instant>>,
 }
 
 /// W3C trace context kept with outbox entries.
@@ -175,6 +199,19 @@ impl Worker {
             self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
         }
         let mut messages = shelfsync_bus::pull_messages(&consumer).await?;
+        // For reading ahead; without it (no permission) messages go one by one.
+        let stream = match self.js.get_stream(self.subjects.cmd_stream()).await {
+            Ok(s)
+                if s.cached_info().config.allow_direct && self.settings.storage.read_ahead > 0 =>
+            {
+                Some(s)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                warn!(partition = %self.partition, error = %e, "no stream info: not reading ahead");
+                None
+            }
+        };
         self.ready.worker_bound();
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -199,7 +236,7 @@ impl Worker {
                             continue;
                         }
                     };
-                    self.process(msg, &mut publisher, &mut shutdown).await;
+                    self.process(msg, stream.as_ref(), &mut publisher, &mut shutdown).await;
                 }
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
                 published = async { (&mut in_hand.as_mut().expect("guarded").task).await },
@@ -384,16 +421,26 @@ impl Worker {
     async fn process(
         &self,
         msg: jetstream::Message,
+        stream: Option<&jetstream::stream::Stream>,
         publisher: &mut Publisher,
         shutdown: &mut watch::Receiver<bool>,
     ) {
-        let (seq, delivered) = match msg.info() {
-            Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64),
+        let (seq, delivered, pending) = match msg.info() {
+            Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64, info.pending),
             Err(e) => {
                 error!(partition = %self.partition, error = %e, "message without metadata");
                 return;
             }
         };
+        if seq <= self.committed_through.load(Ordering::Relaxed) {
+            // Committed with an earlier delivery, its outbox relayed since.
+            if let Err(e) = msg.ack().await {
+                warn!(partition = %self.partition, seq, error = %e, "ack failed");
+            }
+            return;
+        }
+        // Read ahead only on a first delivery: a message that failed goes alone.
+        let ahead = stream.filter(|_| delivered == 1 && pending > 0);
         let span = shelfsync_telemetry::process_span!(
             "storage.apply_batch",
             msg.subject,
@@ -402,13 +449,17 @@ impl Worker {
             command_seq = seq,
             delivered,
             batch.size = tracing::field::Empty,
+            batch.ahead = tracing::field::Empty,
         );
         shelfsync_telemetry::set_parent(
             &span,
             shelfsync_telemetry::extract_opt(msg.headers.as_ref()),
         );
         let started = Instant::now();
-        let result = self.handle(&msg, seq, delivered, publisher, shutdown).instrument(span).await;
+        let result = self
+            .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), publisher, shutdown)
+            .instrument(span)
+            .await;
         metrics::histogram!(names::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
         match result {
             Ok(handled) => {
@@ -445,6 +496,7 @@ impl Worker {
         msg: &jetstream::Message,
         seq: u64,
         delivered: u64,
+        ahead: Option<(&jetstream::stream::Stream, u64)>,
         publisher: &mut Publisher,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
@@ -467,9 +519,16 @@ impl Worker {
             }
         };
         let span = tracing::Span::current();
-        span.record("batch.size", batch.commands.len());
-        span.record("messaging.batch.message_count", batch.commands.len() + batch.sweeps.len());
-        match self.apply_and_commit(seq, &batch, &trace).await {
+        let mut parts = vec![(seq, batch)];
+        if let Some((stream, pending)) = ahead {
+            self.read_ahead(stream, pending, &mut parts).await;
+            span.record("batch.ahead", parts.len() - 1);
+        }
+        let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
+        let sweeps: usize = parts.iter().map(|(_, b)| b.sweeps.len()).sum();
+        span.record("batch.size", commands);
+        span.record("messaging.batch.message_count", commands + sweeps);
+        match self.apply_and_commit(&parts, &trace).await {
             Ok(Handled::Skipped) => {
                 // Published or not, a committed outbox is drained before the ack.
                 self.relay(publisher).await.map_err(HandleError::Relay)?;
@@ -478,6 +537,10 @@ impl Worker {
             Ok(Handled::Applied) => {
                 failpoint::hit("after_commit");
                 self.relay_until_done(publisher, shutdown).await;
+                if !*shutdown.borrow() {
+                    let last = parts.last().map_or(seq, |(s, _)| *s);
+                    self.committed_through.fetch_max(last, Ordering::Relaxed);
+                }
                 Ok(Handled::Applied)
             }
             Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e.into()),
@@ -497,18 +560,84 @@ impl Worker {
         }
     }
 
+    /// Appends to `parts` the partition's messages stored behind the last
+    /// one, each the next on the subject after the one before: at most
+    /// `pending` (what the consumer has not delivered yet) and the limits.
+    /// Stops at the first message it cannot read or decode; that one is
+    /// handled when it is delivered.
+    async fn read_ahead(
+        &self,
+        stream: &jetstream::stream::Stream,
+        pending: u64,
+        parts: &mut Vec<(u64, CommandBatch)>,
+    ) {
+        let paused = *self.ahead_paused_until.lock().unwrap_or_else(|e| e.into_inner());
+        if paused.is_some_and(|until| Instant::now() < until) {
+            return;
+        }
+        let subject = self.subjects.cmd(self.partition);
+        let want = 1 + (pending as usize).min(self.settings.storage.read_ahead);
+        let size = |b: &CommandBatch| b.commands.len() + b.sweeps.len();
+        let mut total: usize = parts.iter().map(|(_, b)| size(b)).sum();
+        let mut contexts = Vec::new();
+        while parts.len() < want && total < AHEAD_COMMANDS {
+            let after = parts.last().map_or(0, |(s, _)| *s);
+            let m = match stream.direct_get_next_for_subject(subject.clone(), Some(after + 1)).await
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    if e.kind() != jetstream::stream::DirectGetErrorKind::NotFound {
+                        warn!(
+                            partition = %self.partition, error = %e, pause = ?AHEAD_PAUSE,
+                            "reading ahead failed; one message at a time meanwhile"
+                        );
+                        *self.ahead_paused_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(Instant::now() + AHEAD_PAUSE);
+                    }
+                    break;
+                }
+            };
+            let Ok(batch) = CommandBatch::decode(m.payload.as_ref()) else { break };
+            if total + size(&batch) > AHEAD_COMMANDS {
+                break;
+            }
+            total += size(&batch);
+            contexts.push(shelfsync_telemetry::extract_opt(Some(&m.headers)));
+            parts.push((m.sequence, batch));
+        }
+        // Their imports' traces, linked from this apply.
+        shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
+    }
+
+    /// Applies the command messages `parts` (ascending, consecutive on the
+    /// partition's subject) in order and commits those not applied yet as
+    /// one step.
     async fn apply_and_commit(
         &self,
-        seq: u64,
-        batch: &shelfsync_proto::CommandBatch,
+        parts: &[(u64, CommandBatch)],
         trace: &TraceParts,
     ) -> Result<Handled, StoreError> {
+        let merged;
+        let to_load = match parts {
+            [(_, only)] => only,
+            _ => {
+                merged = CommandBatch {
+                    commands: parts.iter().flat_map(|(_, b)| b.commands.iter().cloned()).collect(),
+                    sweeps: parts.iter().flat_map(|(_, b)| b.sweeps.iter().cloned()).collect(),
+                    ..Default::default()
+                };
+                &merged
+            }
+        };
+        let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
         // A fence means another writer advanced the partition: reload and
         // look again (the sequence check then usually says "already done").
         for _ in 0..3 {
-            let mut loaded = self.store.load(self.partition.0, batch).await?;
-            if seq <= loaded.seq {
-                debug!(partition = %self.partition, seq, applied = loaded.seq, "already applied");
+            let mut loaded = self.store.load(self.partition.0, to_load).await?;
+            let todo: Vec<&(u64, CommandBatch)> =
+                parts.iter().filter(|(seq, _)| *seq > loaded.seq).collect();
+            if todo.is_empty() {
+                debug!(partition = %self.partition, last, applied = loaded.seq, "already applied");
                 return Ok(Handled::Skipped);
             }
             let limits = Limits {
@@ -517,32 +646,49 @@ impl Worker {
                 max_record_bytes: self.settings.storage.max_record_bytes,
                 now_us: Self::now_us(),
             };
-            let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
-            let n_changes = outcome.changes.len() as u64;
-            let outbox =
-                self.outbox_entries(seq, outcome.changes, outcome.rejections.clone(), trace);
+            let mut outbox = Vec::new();
+            let mut outcomes = Vec::with_capacity(todo.len());
+            for (seq, batch) in &todo {
+                let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
+                let n_changes = outcome.changes.len() as u64;
+                let rejections = outcome.rejections.clone();
+                outbox.extend(self.outbox_entries(*seq, outcome.changes, rejections, trace));
+                outcomes.push((
+                    batch,
+                    outcome.applied,
+                    outcome.unchanged,
+                    n_changes,
+                    outcome.rejections,
+                ));
+            }
             failpoint::hit("before_commit");
             match self
                 .store
-                .commit(self.partition.0, loaded.seq, seq, &loaded.slots, &outbox)
+                .commit(self.partition.0, loaded.seq, last, &loaded.slots, &outbox)
                 .await?
             {
                 Commit::Done => {
                     self.note_changed(&loaded.slots);
                     let s = &self.stats;
-                    s.add(&s.batches, 1);
-                    s.add(&s.commands, batch.commands.len() as u64);
-                    s.add(&s.applied, outcome.applied);
-                    s.add(&s.changes, n_changes);
-                    s.add(&s.unchanged, outcome.unchanged);
-                    s.add(&s.rejected, outcome.rejections.len() as u64);
-                    s.add(&s.sweeps, batch.sweeps.len() as u64);
-                    record_applied(batch, outcome.applied, outcome.unchanged, n_changes);
-                    record_rejections(&outcome.rejections);
+                    s.add(&s.batches, todo.len() as u64);
+                    s.add(
+                        &s.batches_ahead,
+                        todo.iter().filter(|(seq, _)| *seq != parts[0].0).count() as u64,
+                    );
+                    for (batch, applied, unchanged, n_changes, rejections) in outcomes {
+                        s.add(&s.commands, batch.commands.len() as u64);
+                        s.add(&s.applied, applied);
+                        s.add(&s.changes, n_changes);
+                        s.add(&s.unchanged, unchanged);
+                        s.add(&s.rejected, rejections.len() as u64);
+                        s.add(&s.sweeps, batch.sweeps.len() as u64);
+                        record_applied(batch, applied, unchanged, n_changes);
+                        record_rejections(&rejections);
+                    }
                     return Ok(Handled::Applied);
                 }
                 Commit::Fenced => {
-                    warn!(partition = %self.partition, seq, "partition sequence moved under us; reloading");
+                    warn!(partition = %self.partition, seq = last, "partition sequence moved under us; reloading");
                     self.stats.add(&self.stats.fenced, 1);
                 }
             }

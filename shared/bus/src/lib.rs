@@ -118,6 +118,9 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
                 settings.storage.partitions.to_string(),
             )]
             .into(),
+            // Storage reads the messages queued behind the one delivered
+            // with direct gets (next on the partition's subject).
+            allow_direct: true,
             ..base(s.cmd_stream(), vec![s.cmd_all()])
         },
         stream::Config {

@@ -21,6 +21,7 @@ pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
         ("SHELFSYNC__STORAGE__PURGE_INTERVAL".into(), ms(s.storage.purge_interval)),
         ("SHELFSYNC__STORAGE__HTTP_LISTEN".into(), s.storage.http_listen.clone()),
         ("SHELFSYNC__STORAGE__KEYFRAME_SCHEDULE".into(), s.storage.keyframe_schedule.clone()),
+        ("SHELFSYNC__STORAGE__READ_AHEAD".into(), s.storage.read_ahead.to_string()),
         ("SHELFSYNC__INGEST__LISTEN".into(), s.ingest.listen.clone()),
         ("SHELFSYNC__TELEMETRY__LOG_LEVEL".into(), s.telemetry.log_level.clone()),
     ]
