@@ -117,7 +117,8 @@ pub enum Commit {
 }
 
 /// Checks the sequence read at load time, then runs every write of the batch
-/// and sets the new sequence, all in one atomic step.
+/// and sets the new sequence, all in one atomic step. Returns 0 when fenced,
+/// else the head of the outbox (KEYS[2]).
 const COMMIT_LUA: &str = r#"
 local cur = redis.call('GET', KEYS[1]) or '0'
 if cur ~= ARGV[1] then return 0 end
@@ -135,8 +136,15 @@ while i <= n do
   i = i + count
 end
 redis.call('SET', KEYS[1], ARGV[2])
-return 1
+return redis.call('LRANGE', KEYS[2], 0, 255)
 "#;
+
+/// Outbox entries read back by the commit and the trim (`LRANGE 0 255` in
+/// [`COMMIT_LUA`] and [`TRIM_LUA`]): the relay's next peek comes with the
+/// write before it instead of costing a round trip.
+pub const OUTBOX_PEEK: usize = 256;
+/// A head read with a write is used by a peek this soon after it only.
+const HEAD_FRESH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Lua's `unpack` is bounded by the C stack (~8000 values): ops are chunked.
 const MAX_OP_ARGS: usize = 1000;
@@ -191,12 +199,15 @@ impl CommitOps {
 /// for a while (a stale owner during a rescale): the other one may already
 /// have trimmed those entries, and `n` would then remove newer, unpublished
 /// ones.
+/// Returns the head of the outbox after the trim.
 const TRIM_LUA: &str = r#"
 local i = redis.call('LPOS', KEYS[1], ARGV[1])
-if not i then return 0 end
-redis.call('LTRIM', KEYS[1], i + 1, -1)
-return i + 1
+if i then redis.call('LTRIM', KEYS[1], i + 1, -1) end
+return redis.call('LRANGE', KEYS[1], 0, 255)
 "#;
+
+/// The raw outbox head a write read back, and when.
+type HeadRead = (std::time::Instant, Vec<Vec<u8>>);
 
 /// How many entries a peek returned, and the last one as stored.
 type LastPeek = (usize, Vec<u8>);
@@ -215,6 +226,9 @@ pub struct Store {
     /// returned and the raw bytes of the last one, so that
     /// [`Store::outbox_trim`] removes exactly those.
     peeked: Arc<Mutex<HashMap<u32, LastPeek>>>,
+    /// Per partition, the head of the outbox (raw) as the last commit or
+    /// trim left it: the next [`Store::outbox_peek`], read with that write.
+    read_with_write: Arc<Mutex<HashMap<u32, HeadRead>>>,
 }
 
 impl Store {
@@ -225,6 +239,7 @@ impl Store {
             commit_script: redis::Script::new(COMMIT_LUA),
             trim_script: redis::Script::new(TRIM_LUA),
             peeked: Arc::default(),
+            read_with_write: Arc::default(),
         })
     }
 
@@ -411,8 +426,27 @@ impl Store {
             invocation.arg(a.as_slice());
         }
         let mut conn = self.conn.clone();
-        let done: i64 = invocation.invoke_async(&mut conn).await?;
-        Ok(if done == 1 { Commit::Done } else { Commit::Fenced })
+        match invocation.invoke_async::<Value>(&mut conn).await? {
+            Value::Int(0) => Ok(Commit::Fenced),
+            head => {
+                self.keep_head(partition, head)?;
+                Ok(Commit::Done)
+            }
+        }
+    }
+
+    /// Keeps the outbox head a write read back, for the next peek.
+    fn keep_head(&self, partition: u32, head: Value) -> Result<(), StoreError> {
+        let raw: Vec<Vec<u8>> = match head {
+            Value::Nil => Vec::new(),
+            v => redis::from_redis_value(v)?,
+        };
+        let now = std::time::Instant::now();
+        self.read_with_write
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(partition, (now, raw));
+        Ok(())
     }
 
     /// The last applied command sequence of a partition.
@@ -430,13 +464,24 @@ impl Store {
         n: usize,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let key = self.keys(partition).outbox();
-        let mut conn = self.conn.clone();
-        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
-            .arg(&key)
-            .arg(0)
-            .arg(n.saturating_sub(1) as i64)
-            .query_async(&mut conn)
-            .await?;
+        let kept =
+            self.read_with_write.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition);
+        let raw: Vec<Vec<u8>> = match kept {
+            // As fresh as a peek: the worker relays right after its write.
+            Some((at, mut head)) if n <= OUTBOX_PEEK && at.elapsed() < HEAD_FRESH => {
+                head.truncate(n);
+                head
+            }
+            _ => {
+                let mut conn = self.conn.clone();
+                redis::cmd("LRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(n.saturating_sub(1) as i64)
+                    .query_async(&mut conn)
+                    .await?
+            }
+        };
         let entries = raw
             .iter()
             .map(|b| {
@@ -466,20 +511,24 @@ impl Store {
         };
         let key = self.keys(partition).outbox();
         let mut conn = self.conn.clone();
-        match last {
-            Some(last) => {
-                let _: i64 = self.trim_script.key(key).arg(last).invoke_async(&mut conn).await?;
-            }
+        let head: Value = match last {
+            Some(last) => self.trim_script.key(key).arg(last).invoke_async(&mut conn).await?,
             None => {
-                let _: Value = redis::cmd("LTRIM")
-                    .arg(key)
+                let (_, head): (Value, Value) = redis::pipe()
+                    .cmd("LTRIM")
+                    .arg(&key)
                     .arg(n as i64)
                     .arg(-1)
+                    .cmd("LRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(OUTBOX_PEEK as i64 - 1)
                     .query_async(&mut conn)
                     .await?;
+                head
             }
-        }
-        Ok(())
+        };
+        self.keep_head(partition, head)
     }
 
     pub async fn outbox_len(&self, partition: u32) -> Result<u64, StoreError> {

@@ -5,20 +5,22 @@
 //! Order of effects for one message (crash anywhere is safe):
 //! load → apply → **commit** → publish outbox → trim outbox → ack.
 //!
-//! When more messages of the partition wait behind the one delivered (the
-//! delivery's `pending`), the worker reads up to `storage.read_ahead` of them
-//! straight from the stream (direct get, "next message on this subject after
-//! sequence N", so none can be missed or taken out of order) and commits them
-//! together with the delivered one: one load, one commit, one relay for all.
-//! Each keeps its own sequence, changes and outbox entries. They are acked
-//! when the consumer delivers them, with no Redis round trip: their sequence
-//! is at or below what this worker committed. Under load the queue makes
-//! the batches larger, so the work per message drops when it matters.
 //! A crash before the commit changes nothing (the message is redelivered); a
 //! crash after it leaves the outbox to be relayed at restart and the message
 //! to be skipped as already applied (its sequence is at or below the stored
 //! one); a re-published outbox entry is dropped by JetStream's duplicate
 //! window (deterministic `Nats-Msg-Id`).
+//!
+//! When more messages of the partition wait behind the one delivered (the
+//! delivery's `pending`), the worker reads up to `storage.read_ahead` of them
+//! straight from the stream (direct get, "next message on this subject after
+//! sequence N", so none can be missed or taken out of order) and commits them
+//! together with the delivered one: one load, one commit, one relay for all.
+//! Their changes go out together: one change batch per place, in apply
+//! order, tagged with the last message's sequence. They are acked when the
+//! consumer delivers them, with no Redis round trip: their sequence is at or
+//! below what this worker committed. Under load the queue makes
+//! the batches larger, so the work per message drops when it matters.
 //!
 //! Tracing: each command message is handled in a CONSUMER span
 //! `process <subject>` (`storage.apply_batch`) whose parent is the context
@@ -51,8 +53,8 @@ use crate::keyframe::{Frozen, KeyframeJob, KeyframeLimits};
 use crate::stats::{Readiness, Stats};
 use crate::store::{Commit, Store, StoreError};
 
-/// Outbox entries relayed per round trip.
-const RELAY_CHUNK: usize = 256;
+/// Outbox entries relayed per round trip (what a commit reads back).
+const RELAY_CHUNK: usize = crate::store::OUTBOX_PEEK;
 /// A non-transient failure is retried this many deliveries, then the batch
 /// is dead-lettered so that it cannot block its partition.
 const MAX_FAILED_DELIVERIES: u64 = 5;
@@ -158,6 +160,7 @@ impl Worker {
             // across redeliveries.
             max_ack_pending: 1,
             max_deliver: -1,
+            memory_storage: true,
             ..Default::default()
         };
         Ok(stream.get_or_create_consumer(&name, config).await?)
@@ -646,13 +649,15 @@ impl Worker {
                 max_record_bytes: self.settings.storage.max_record_bytes,
                 now_us: Self::now_us(),
             };
-            let mut outbox = Vec::new();
+            // The changes of all of them go out together, per place, in
+            // the order they were applied, under the last one's sequence.
+            let (mut changes, mut rejections) = (Vec::new(), Vec::new());
             let mut outcomes = Vec::with_capacity(todo.len());
-            for (seq, batch) in &todo {
+            for (_, batch) in &todo {
                 let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
                 let n_changes = outcome.changes.len() as u64;
-                let rejections = outcome.rejections.clone();
-                outbox.extend(self.outbox_entries(*seq, outcome.changes, rejections, trace));
+                changes.extend(outcome.changes);
+                rejections.extend(outcome.rejections.iter().cloned());
                 outcomes.push((
                     batch,
                     outcome.applied,
@@ -661,6 +666,7 @@ impl Worker {
                     outcome.rejections,
                 ));
             }
+            let outbox = self.outbox_entries(last, changes, rejections, trace);
             failpoint::hit("before_commit");
             match self
                 .store
