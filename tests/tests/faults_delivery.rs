@@ -213,7 +213,8 @@ async fn an_outbox_relayed_again_past_the_dedup_window_duplicates_on_the_stream_
 async fn redelivered_out_of_order(
     name: &str,
 ) -> (TestEnv, Harness, InProcessStorage, FeedMirror, RunningFeed) {
-    let (env, h, storage) = start(|_| {}).await;
+    // Two change messages: storage must not commit the two commands as one.
+    let (env, h, storage) = start(|s| s.storage.read_ahead = 0).await;
     h.publish_batches("a", &[prices(&h, 1, 0..10, 100), prices(&h, 1, [1], 200)])
         .await
         .expect("publish");
@@ -350,7 +351,8 @@ const STALLED_MESSAGES: usize = 40;
 /// A consumer whose handler hangs (a stuck dependency) while storage keeps
 /// publishing; the test reads the lag while it hangs, then lets it go.
 async fn stall_consumer(name: &str, during_stall: impl AsyncFnOnce(&Harness, u64)) {
-    let (_env, h, _storage) = start(|_| {}).await;
+    // One change message per command message: no commands committed together.
+    let (_env, h, _storage) = start(|s| s.storage.read_ahead = 0).await;
     let mut model = SerialModel::new(h.settings.storage.partitions);
     let warmup = prices(&h, 1, 0..20, 100);
     model.apply(&warmup);
