@@ -705,7 +705,9 @@ impl Store {
     ) -> Result<(), StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
-        let _: () = redis::cmd("DEL")
+        // UNLINK: a 10k-field hash freed in the background, not while
+        // every partition's commands wait for Redis.
+        let _: () = redis::cmd("UNLINK")
             .arg(keys.frozen_records(brand_id, place_id))
             .arg(keys.frozen_gens(brand_id, place_id))
             .query_async(&mut conn)
