@@ -118,10 +118,12 @@ impl JobProgress {
 }
 
 /// What bounds the keyframe work of one replica, shared by its workers:
-/// places in hand at once, and records published per second.
+/// places in hand at once, records published per second, and the thread
+/// that does the work.
 pub struct KeyframeLimits {
     pub permits: Arc<Semaphore>,
     pace: Option<Pace>,
+    background: Background,
 }
 
 impl KeyframeLimits {
@@ -130,7 +132,20 @@ impl KeyframeLimits {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(concurrency)),
             pace: (records_per_s > 0).then(|| Pace::new(records_per_s)),
+            background: Background::start(),
         })
+    }
+
+    /// Runs `task` (publishing a frozen place) on the keyframe thread.
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match &self.background.runtime {
+            Some(rt) => rt.spawn(task),
+            None => tokio::spawn(task),
+        }
     }
 
     /// Waits until `records` more may be published.
@@ -138,6 +153,56 @@ impl KeyframeLimits {
         if let Some(p) = &self.pace {
             p.take(records).await;
         }
+    }
+}
+
+/// A one-thread runtime whose thread runs at a lower CPU priority (`nice`
+/// +10): a keyframe's encoding gives way to the live commands, and to the
+/// NATS and Redis servers, whenever the CPU is short. Its I/O goes through
+/// the process's shared NATS and Redis connections.
+struct Background {
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// How much lower the keyframe thread's priority is.
+const KEYFRAME_NICE: i32 = 5;
+
+impl Background {
+    fn start() -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("shelfsync-keyframe")
+            .on_thread_start(lower_priority)
+            .enable_all()
+            .build();
+        match runtime {
+            Ok(rt) => Self { runtime: Some(rt) },
+            Err(e) => {
+                tracing::warn!(error = %e, "no keyframe thread: keyframes run with the live work");
+                Self { runtime: None }
+            }
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        // Dropped inside the service's runtime: must not block.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Lowers the calling thread's priority (Linux: `setpriority` acts on one
+/// thread). Best effort: without it keyframes only run at the live work's
+/// priority.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) =
+        rustix::process::setpriority_process(Some(rustix::thread::gettid()), KEYFRAME_NICE)
+    {
+        tracing::debug!(error = %e, "keyframe thread priority unchanged");
     }
 }
 
@@ -405,5 +470,24 @@ impl Worker {
             )
             .await?;
         Ok(0)
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    fn my_priority() -> i32 {
+        rustix::process::getpriority_process(Some(rustix::thread::gettid())).expect("priority")
+    }
+
+    #[tokio::test]
+    async fn keyframes_run_on_a_thread_of_lower_priority() {
+        let limits = KeyframeLimits::new(1, 0);
+        let live = my_priority();
+        let theirs = limits.spawn(async { my_priority() }).await.expect("task");
+        assert_eq!(theirs, (live + KEYFRAME_NICE).min(19), "live thread at {live}");
+        // Dropped inside a runtime without a panic.
+        drop(limits);
     }
 }

@@ -340,7 +340,7 @@ impl Worker {
             Some(((s.brand_id, s.place_id), HashSet::new()));
         let this = self.clone();
         let f = frozen.clone();
-        let task = tokio::spawn(
+        let task = self.keyframe_limits.spawn(
             async move {
                 let mut publisher = Publisher::new(this.js.clone(), KEYFRAME_INFLIGHT);
                 let published = this.publish_frozen(&f, &mut publisher).await;
