@@ -54,6 +54,10 @@ async fn nats_killed_and_restarted_mid_import_loses_and_duplicates_nothing() {
     let mut env = TestEnv::start().await.expect("servers");
     let mut settings = settings_for(&env);
     settings.storage.keyframe_schedule = String::new();
+    // Many small commits (two messages each), so that the kill lands
+    // mid-import; committed 32 at a time, the import can be over in a few
+    // change messages before "mid-import" is ever seen.
+    settings.storage.read_ahead = 1;
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let (batches, model) = workload(settings.storage.partitions);
 
