@@ -160,7 +160,6 @@ impl Worker {
             // across redeliveries.
             max_ack_pending: 1,
             max_deliver: -1,
-            memory_storage: true,
             ..Default::default()
         };
         Ok(stream.get_or_create_consumer(&name, config).await?)
