@@ -147,7 +147,11 @@ impl Worker {
         chrono::Utc::now().timestamp_micros()
     }
 
-    async fn consumer(&self) -> anyhow::Result<jetstream::consumer::Consumer<pull::Config>> {
+    /// The command stream and this partition's consumer on it.
+    async fn consumer(
+        &self,
+    ) -> anyhow::Result<(jetstream::stream::Stream, jetstream::consumer::Consumer<pull::Config>)>
+    {
         let stream = self.js.get_stream(self.subjects.cmd_stream()).await?;
         let name = self.subjects.storage_consumer(self.partition);
         let config = pull::Config {
@@ -162,7 +166,8 @@ impl Worker {
             max_deliver: -1,
             ..Default::default()
         };
-        Ok(stream.get_or_create_consumer(&name, config).await?)
+        let consumer = stream.get_or_create_consumer(&name, config).await?;
+        Ok((stream, consumer))
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
@@ -178,7 +183,7 @@ impl Worker {
         // Many consumers created at once (R3, a busy cluster) can time out:
         // retried, so that one slow answer does not stop the replica.
         let mut delay = Duration::from_millis(500);
-        let consumer = loop {
+        let (stream, consumer) = loop {
             match self.consumer().await {
                 Ok(c) => break c,
                 Err(e) => {
@@ -201,19 +206,10 @@ impl Worker {
             self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
         }
         let mut messages = shelfsync_bus::pull_messages(&consumer).await?;
-        // For reading ahead; without it (no permission) messages go one by one.
-        let stream = match self.js.get_stream(self.subjects.cmd_stream()).await {
-            Ok(s)
-                if s.cached_info().config.allow_direct && self.settings.storage.read_ahead > 0 =>
-            {
-                Some(s)
-            }
-            Ok(_) => None,
-            Err(e) => {
-                warn!(partition = %self.partition, error = %e, "no stream info: not reading ahead");
-                None
-            }
-        };
+        // For reading ahead (direct gets on the command stream).
+        let stream = (stream.cached_info().config.allow_direct
+            && self.settings.storage.read_ahead > 0)
+            .then_some(stream);
         self.ready.worker_bound();
         let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -653,17 +649,12 @@ impl Worker {
             let (mut changes, mut rejections) = (Vec::new(), Vec::new());
             let mut outcomes = Vec::with_capacity(todo.len());
             for (_, batch) in &todo {
-                let outcome = apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
+                let mut outcome =
+                    apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
                 let n_changes = outcome.changes.len() as u64;
-                changes.extend(outcome.changes);
+                changes.append(&mut outcome.changes);
                 rejections.extend(outcome.rejections.iter().cloned());
-                outcomes.push((
-                    batch,
-                    outcome.applied,
-                    outcome.unchanged,
-                    n_changes,
-                    outcome.rejections,
-                ));
+                outcomes.push((batch, n_changes, outcome));
             }
             let outbox = self.outbox_entries(last, changes, rejections, trace);
             failpoint::hit("before_commit");
@@ -680,15 +671,15 @@ impl Worker {
                         &s.batches_ahead,
                         todo.iter().filter(|(seq, _)| *seq != parts[0].0).count() as u64,
                     );
-                    for (batch, applied, unchanged, n_changes, rejections) in outcomes {
+                    for (batch, n_changes, o) in outcomes {
                         s.add(&s.commands, batch.commands.len() as u64);
-                        s.add(&s.applied, applied);
+                        s.add(&s.applied, o.applied);
                         s.add(&s.changes, n_changes);
-                        s.add(&s.unchanged, unchanged);
-                        s.add(&s.rejected, rejections.len() as u64);
+                        s.add(&s.unchanged, o.unchanged);
+                        s.add(&s.rejected, o.rejections.len() as u64);
                         s.add(&s.sweeps, batch.sweeps.len() as u64);
-                        record_applied(batch, applied, unchanged, n_changes);
-                        record_rejections(&rejections);
+                        record_applied(batch, o.applied, o.unchanged, n_changes);
+                        record_rejections(&o.rejections);
                     }
                     return Ok(Handled::Applied);
                 }
