@@ -28,7 +28,15 @@ mkdir -p "$DEMO"
 
 PIDS=()
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  # Newest first: the services drain while NATS and Redis are still up; a
+  # process that has not stopped 10 s after SIGTERM is killed.
+  local i p
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    p=${PIDS[i]}
+    kill "$p" 2>/dev/null || continue
+    for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$p" 2>/dev/null || true
+  done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
