@@ -1,7 +1,8 @@
 //! Keyframes against real nats-server and redis-server (DESIGN §4): the parts,
 //! count and digest of an on-demand snapshot, one-place snapshots, where the
 //! marker sits in the change stream under live writes, the cron schedule,
-//! retention of old keyframes, expired tombstones, and two replicas.
+//! retention of old keyframes, expired tombstones, tombstones purged while
+//! their place is frozen, and two replicas.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -509,6 +510,51 @@ async fn expired_tombstones_are_left_out_and_fresh_ones_carried() {
     let changes = place_changes(&h, BRAND, 1).await;
     let mark = changes.last().and_then(|(_, b)| b.keyframe.clone()).expect("marker last");
     assert_eq!(mark.tombstone_cutoff, last.tombstone_cutoff);
+}
+
+#[tokio::test]
+async fn records_purged_while_their_place_is_frozen_stay_in_its_keyframe() {
+    // 300 records a second: the 3 000 records go out in three parts, and
+    // the last two are read after the purge, ≈2 s after the deletes.
+    let (_env, h, _storage) = start(|s| {
+        s.storage.keyframe_rate = 300;
+        s.storage.tombstone_ttl = Duration::from_secs(2);
+        s.storage.purge_interval = Duration::from_millis(200);
+    })
+    .await;
+    const ITEMS: usize = 3000;
+    write_places(&h, &[1], ITEMS).await;
+    h.wait_settled().await;
+    let deleted: Vec<String> = (0..ITEMS).step_by(20).map(sku).collect();
+    h.send(deleted.iter().map(|id| delete(1, id)).collect()).await.expect("send");
+    h.wait_settled().await;
+    let first = h.get(BRAND, 1, &deleted[0]).await.expect("redis").expect("tombstone");
+
+    let reply = request_keyframe(&h, "", BRAND, 1).await;
+    let mut purged = 0;
+    for id in &deleted {
+        purged += usize::from(h.get(BRAND, 1, id).await.expect("redis").is_none());
+    }
+    assert_eq!(purged, deleted.len(), "the tombstones were purged while the keyframe was out");
+    let keyframes = keyframes_of(&h, BRAND, 1).await;
+    let (records, last) = check_parts(&keyframes[0].1);
+    assert!(
+        last.tombstone_cutoff <= first.updated_at,
+        "premise: the tombstones were fresh when the place was frozen"
+    );
+    assert_eq!(reply.records as usize, ITEMS, "{reply:?}");
+    assert_eq!(records.len(), ITEMS);
+    let tombstones: HashSet<&str> =
+        records.iter().filter(|r| r.deleted).map(|r| product_id(r)).collect();
+    let expected: HashSet<&str> = deleted.iter().map(String::as_str).collect();
+    assert_eq!(tombstones, expected, "every tombstone as frozen, purged since or not");
+    let d = digest_of(records.iter().map(|r| (product_id(r), r.updated_at)));
+    assert_eq!((last.total, last.digest), (d.count, d.sum));
+    let changes = place_changes(&h, BRAND, 1).await;
+    let mark = changes.last().and_then(|(_, b)| b.keyframe.clone()).expect("marker last");
+    // A purge changes no record's digest term: the tombstones are still
+    // counted at the marker, as by a consumer that never saw them go.
+    assert_eq!((mark.total, mark.digest), (d.count, d.sum));
 }
 
 /// Two replicas splitting the partitions: storage started twice with its

@@ -3,18 +3,22 @@
 //!
 //! For each place:
 //! 1. **freeze**, in the partition's worker between two command messages:
-//!    `COPY` the place's records and generations to keys only the keyframe
-//!    reads, atomically with reading the applied sequence;
-//! 2. **publish**, in a task while the worker goes on: stream the frozen
-//!    records (HSCAN) as `KeyframeBatch`es at the replica's pace
+//!    mark the place frozen, atomically with reading the applied sequence.
+//!    From then on each write to the place's records and generations keeps
+//!    the value it replaces (copy on write, in the commit's Lua), so the
+//!    freeze is one small Redis step whatever the size of the place;
+//! 2. **publish**, in a task while the worker goes on: stream the records
+//!    as frozen (HSCAN of the live hash, with the kept values in place of
+//!    the written ones, then the kept values of records deleted since) as
+//!    `KeyframeBatch`es at the replica's pace
 //!    (`storage.keyframe_rate`), the last one with the count and digest;
 //!    purge keyframes older than the configured number;
 //! 3. **mark**, in the worker between two command messages: put a
 //!    `KeyframeMark` on the place's change subject. Its digest is the frozen
 //!    one brought up to that point in the stream by the records the worker
 //!    changed since the freeze, so a consumer compares its own digest at the
-//!    marker exactly as if the place had been snapshotted there; then drop
-//!    the frozen copy.
+//!    marker exactly as if the place had been snapshotted there; then end
+//!    the freeze and drop the kept values.
 //!
 //! A replica-wide semaphore (`storage.keyframe_concurrency`) bounds the
 //! places in hand, and each worker has at most one.
@@ -33,9 +37,12 @@ use tracing::{info, warn};
 
 use crate::worker::Worker;
 
-/// Records read per HSCAN step.
-const SCAN_COUNT: usize = 1000;
-/// A frozen copy left behind by a keyframe that never finished expires.
+/// Records read per HSCAN step: small, because each step holds Redis, and
+/// the live commands wait behind it.
+const SCAN_COUNT: usize = 250;
+/// Records the marker reads back per round trip.
+const MARK_CHUNK: usize = 1000;
+/// A freeze left behind by a keyframe that never finished expires.
 const FROZEN_TTL: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
 
 /// One keyframe request as a worker sees it.
@@ -261,7 +268,7 @@ impl Frozen {
 
 impl Worker {
     /// Freezes a place (one Redis step). Runs inside the partition's worker
-    /// loop, between two command messages, so the frozen copy is the place
+    /// loop, between two command messages, so the frozen place is the place
     /// exactly after the last applied command.
     pub(crate) async fn freeze(
         &self,
@@ -317,10 +324,13 @@ impl Worker {
         let mut part = 0u32;
         let mut first_seq = None;
         let mut cursor = 0u64;
+        // The live records as frozen, then those written since the freeze
+        // that the first pass did not meet (deleted since).
+        let mut kept = false;
         loop {
             let (next, records) = self
                 .store
-                .scan_frozen(partition, f.brand_id, f.place_id, cursor, SCAN_COUNT)
+                .scan_frozen(partition, f.brand_id, f.place_id, kept, cursor, SCAN_COUNT)
                 .await?;
             for r in records {
                 let id = r.key.as_ref().map(|k| k.product_id.clone()).unwrap_or_default();
@@ -346,7 +356,10 @@ impl Worker {
             }
             cursor = next;
             if cursor == 0 {
-                break;
+                if kept {
+                    break;
+                }
+                kept = true;
             }
         }
         self.keyframe_limits.pace(pending.len()).await;
@@ -396,7 +409,7 @@ impl Worker {
         let records = frozen.count;
         let mut digest = frozen;
         let ids: Vec<String> = changed.iter().cloned().collect();
-        for chunk in ids.chunks(SCAN_COUNT) {
+        for chunk in ids.chunks(MARK_CHUNK) {
             let (then, now) =
                 self.store.frozen_and_live(partition, f.brand_id, f.place_id, chunk).await?;
             for ((id, then), now) in chunk.iter().zip(then).zip(now) {

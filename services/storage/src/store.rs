@@ -14,6 +14,9 @@
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
 //! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
 //! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
+//! | `{ns:pN}:kfm:<brand>:<place>` | string | set while a keyframe has the place frozen |
+//! | `{ns:pN}:kfo:r:<brand>:<place>` | hash | while frozen: product_id → `=`record bytes as frozen, or `-` (absent) |
+//! | `{ns:pN}:kfo:g:<brand>:<place>` | hash | the same for generations |
 //!
 //! Generations live apart from records so that an identical re-import
 //! writes one small bulk `HSET` per place and no record bytes.
@@ -88,13 +91,19 @@ impl Keys {
     pub fn keyframes(&self, brand: i64, place: i64) -> String {
         format!("{}:kf:{brand}:{place}", self.tag)
     }
-    /// A place's records as a keyframe froze them (deleted once published).
-    pub fn frozen_records(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfr:{brand}:{place}", self.tag)
+    /// Exists while a keyframe has the place frozen: every write to the
+    /// place's records or generations then keeps the value it replaces.
+    pub fn frozen_marker(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfm:{brand}:{place}", self.tag)
     }
-    /// A place's generations as a keyframe froze them.
+    /// The frozen values of the place's records written since the freeze
+    /// (copy on write; dropped once the keyframe is published).
+    pub fn frozen_records(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfo:r:{brand}:{place}", self.tag)
+    }
+    /// The same for the place's generations.
     pub fn frozen_gens(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfg:{brand}:{place}", self.tag)
+        format!("{}:kfo:g:{brand}:{place}", self.tag)
     }
 }
 
@@ -116,28 +125,96 @@ pub enum Commit {
     Fenced,
 }
 
+/// The interpreter of a list of writes, shared by [`COMMIT_LUA`] and
+/// [`PURGE_LUA`]. From ARGV[i] on, each write is `op key-index count
+/// args...`. `CHSET` and `CHDEL` are `HSET` and `HDEL` on a place's records
+/// or generations: their first two args are the key indices of the place's
+/// frozen marker and of its frozen hash, and while the marker exists, the
+/// value each field had before its first write since the freeze is kept
+/// there (`=`value, or `-` when it had none): copy on write, so a freeze is
+/// one small step whatever the size of the place.
+const OPS_LUA: &str = r#"
+local function keep(marker, frozen, key, from, to, stride)
+  if redis.call('EXISTS', marker) == 0 then return end
+  for j = from, to, stride do
+    local f = ARGV[j]
+    if redis.call('HEXISTS', frozen, f) == 0 then
+      local old = redis.call('HGET', key, f)
+      if old then redis.call('HSET', frozen, f, '=' .. old) else redis.call('HSET', frozen, f, '-') end
+    end
+  end
+  local ttl = redis.call('PTTL', marker)
+  if ttl > 0 then redis.call('PEXPIRE', frozen, ttl) end
+end
+local function run_ops(i)
+  local n = #ARGV
+  while i <= n do
+    local op = ARGV[i]
+    local key = KEYS[tonumber(ARGV[i + 1])]
+    local count = tonumber(ARGV[i + 2])
+    i = i + 3
+    local from = i
+    if op == 'CHSET' or op == 'CHDEL' then
+      local stride = 1
+      if op == 'CHSET' then stride = 2 end
+      keep(KEYS[tonumber(ARGV[i])], KEYS[tonumber(ARGV[i + 1])], key, i + 2, i + count - 1, stride)
+      op = string.sub(op, 2)
+      from = i + 2
+    elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' then
+      return 'unknown op ' .. op
+    end
+    redis.call(op, key, unpack(ARGV, from, i + count - 1))
+    i = i + count
+  end
+end
+"#;
+
 /// Checks the sequence read at load time, then runs every write of the batch
-/// and sets the new sequence, all in one atomic step. Returns 0 when fenced,
-/// else the head of the outbox (KEYS[2]).
+/// ([`OPS_LUA`] from ARGV[3] on) and sets the new sequence, all in one atomic
+/// step. Returns 0 when fenced, else the head of the outbox (KEYS[2]).
 const COMMIT_LUA: &str = r#"
 local cur = redis.call('GET', KEYS[1]) or '0'
 if cur ~= ARGV[1] then return 0 end
-local i = 3
-local n = #ARGV
-while i <= n do
-  local op = ARGV[i]
-  local key = KEYS[tonumber(ARGV[i + 1])]
-  local count = tonumber(ARGV[i + 2])
-  i = i + 3
-  if op ~= 'HSET' and op ~= 'HDEL' and op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' then
-    return redis.error_reply('commit: unknown op ' .. op)
-  end
-  redis.call(op, key, unpack(ARGV, i, i + count - 1))
-  i = i + count
-end
+local err = run_ops(3)
+if err then return redis.error_reply('commit: ' .. err) end
 redis.call('SET', KEYS[1], ARGV[2])
 return redis.call('LRANGE', KEYS[2], 0, 255)
 "#;
+
+/// Runs the writes of a tombstone purge ([`OPS_LUA`]), atomically.
+const PURGE_LUA: &str = r#"
+local err = run_ops(1)
+if err then return redis.error_reply('purge: ' .. err) end
+return 1
+"#;
+
+/// One step over a place's records (KEYS[1]: the live hash, or the frozen
+/// one for the records written since the freeze) with, for each field, its
+/// live generation (KEYS[2]) and what the freeze kept of its record and
+/// generation (KEYS[3], KEYS[4]): `{cursor, flat, gens, frozen records,
+/// frozen gens}`. One call, so a step blocks Redis only as long as it reads.
+const FROZEN_SCAN_LUA: &str = r#"
+local r = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+local flat = r[2]
+local ids = {}
+for j = 1, #flat, 2 do ids[#ids + 1] = flat[j] end
+if #ids == 0 then return {r[1], flat, {}, {}, {}} end
+return {r[1], flat, redis.call('HMGET', KEYS[2], unpack(ids)),
+  redis.call('HMGET', KEYS[3], unpack(ids)), redis.call('HMGET', KEYS[4], unpack(ids))}
+"#;
+
+/// A value kept by the copy on write of [`OPS_LUA`]: what the field held
+/// when the place was frozen.
+fn frozen_value(kept: Option<Vec<u8>>) -> Option<Option<Vec<u8>>> {
+    let mut kept = kept?;
+    match kept.first() {
+        Some(b'=') => {
+            kept.remove(0);
+            Some(Some(kept))
+        }
+        _ => Some(None),
+    }
+}
 
 /// Outbox entries read back by the commit and the trim (`LRANGE 0 255` in
 /// [`COMMIT_LUA`] and [`TRIM_LUA`]): the relay's next peek comes with the
@@ -157,12 +234,18 @@ struct CommitOps {
 }
 
 impl CommitOps {
+    /// For [`COMMIT_LUA`]: KEYS[1] is the sequence, ARGV[1..2] the expected
+    /// and the new one.
     fn new(seq_key: String, expected: u64, new: u64) -> Self {
-        let mut ops = Self { keys: Vec::new(), key_index: HashMap::new(), args: Vec::new() };
+        let mut ops = Self::empty();
         ops.key(&seq_key);
         ops.args.push(expected.to_string().into_bytes());
         ops.args.push(new.to_string().into_bytes());
         ops
+    }
+
+    fn empty() -> Self {
+        Self { keys: Vec::new(), key_index: HashMap::new(), args: Vec::new() }
     }
 
     fn key(&mut self, k: &str) -> usize {
@@ -177,6 +260,33 @@ impl CommitOps {
     /// Adds `op key args...`, split into chunks whose length is a multiple of
     /// `stride` (field/value pairs stay together).
     fn op(&mut self, op: &str, key: &str, args: Vec<Vec<u8>>, stride: usize) {
+        self.op_with(op, key, &[], args, stride);
+    }
+
+    /// `HSET` (stride 2) or `HDEL` (stride 1) on a place's records or
+    /// generations, keeping the frozen values while a keyframe has the place
+    /// frozen (`CHSET`/`CHDEL` of [`OPS_LUA`]).
+    fn kept_op(
+        &mut self,
+        key: &str,
+        marker: &str,
+        frozen: &str,
+        args: Vec<Vec<u8>>,
+        stride: usize,
+    ) {
+        let op = if stride == 2 { "CHSET" } else { "CHDEL" };
+        let prefix = [self.key(marker), self.key(frozen)].map(|i| i.to_string().into_bytes());
+        self.op_with(op, key, &prefix, args, stride);
+    }
+
+    fn op_with(
+        &mut self,
+        op: &str,
+        key: &str,
+        prefix: &[Vec<u8>],
+        args: Vec<Vec<u8>>,
+        stride: usize,
+    ) {
         if args.is_empty() {
             return;
         }
@@ -185,9 +295,26 @@ impl CommitOps {
         for part in args.chunks(chunk) {
             self.args.push(op.as_bytes().to_vec());
             self.args.push(ki.to_string().into_bytes());
-            self.args.push(part.len().to_string().into_bytes());
+            self.args.push((prefix.len() + part.len()).to_string().into_bytes());
+            self.args.extend(prefix.iter().cloned());
             self.args.extend(part.iter().cloned());
         }
+    }
+
+    /// Runs `script` with these keys and args.
+    async fn invoke(
+        &self,
+        script: &redis::Script,
+        conn: &mut RedisConn,
+    ) -> Result<Value, StoreError> {
+        let mut invocation = script.prepare_invoke();
+        for k in &self.keys {
+            invocation.key(k);
+        }
+        for a in &self.args {
+            invocation.arg(a.as_slice());
+        }
+        Ok(invocation.invoke_async(conn).await?)
     }
 }
 
@@ -221,6 +348,8 @@ pub struct Store {
     conn: RedisConn,
     namespace: String,
     commit_script: redis::Script,
+    purge_script: redis::Script,
+    scan_script: redis::Script,
     trim_script: redis::Script,
     /// Per partition, how many outbox entries [`Store::outbox_peek`] last
     /// returned and the raw bytes of the last one, so that
@@ -236,7 +365,9 @@ impl Store {
         Ok(Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
-            commit_script: redis::Script::new(COMMIT_LUA),
+            commit_script: redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}")),
+            purge_script: redis::Script::new(&format!("{OPS_LUA}{PURGE_LUA}")),
+            scan_script: redis::Script::new(FROZEN_SCAN_LUA),
             trim_script: redis::Script::new(TRIM_LUA),
             peeked: Arc::default(),
             read_with_write: Arc::default(),
@@ -405,10 +536,12 @@ impl Store {
         let mut new_places = Vec::new();
         for ((b, p), args) in records {
             new_places.push(format!("{b}:{p}").into_bytes());
-            ops.op("HSET", &keys.records(b, p), args, 2);
+            let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
+            ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
         }
         for ((b, p), args) in gens {
-            ops.op("HSET", &keys.gens(b, p), args, 2);
+            let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_gens(b, p));
+            ops.kept_op(&keys.gens(b, p), &marker, &frozen, args, 2);
         }
         for ((b, p), args) in ids {
             ops.op("ZADD", &keys.ids(b, p), args, 2);
@@ -418,15 +551,8 @@ impl Store {
         ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
         ops.op("RPUSH", &keys.outbox(), outbox.iter().map(Message::encode_to_vec).collect(), 1);
 
-        let mut invocation = self.commit_script.prepare_invoke();
-        for k in &ops.keys {
-            invocation.key(k);
-        }
-        for a in &ops.args {
-            invocation.arg(a.as_slice());
-        }
         let mut conn = self.conn.clone();
-        match invocation.invoke_async::<Value>(&mut conn).await? {
+        match ops.invoke(&self.commit_script, &mut conn).await? {
             Value::Int(0) => Ok(Commit::Fenced),
             head => {
                 self.keep_head(partition, head)?;
@@ -558,8 +684,9 @@ impl Store {
         if members.is_empty() {
             return Ok(0);
         }
-        let mut pipe = redis::pipe();
-        pipe.atomic();
+        // One HDEL per place and hash, keeping frozen values (a keyframe may
+        // have the place frozen), all in one atomic step.
+        let mut by_place: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
         for m in &members {
             let mut parts = m.splitn(3, ':');
             let (Some(b), Some(p), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
@@ -568,12 +695,18 @@ impl Store {
             let (Ok(b), Ok(p)) = (b.parse::<i64>(), p.parse::<i64>()) else {
                 continue;
             };
-            pipe.hdel(keys.records(b, p), id).ignore();
-            pipe.hdel(keys.gens(b, p), id).ignore();
-            pipe.zrem(keys.ids(b, p), id).ignore();
+            by_place.entry((b, p)).or_default().push(id.as_bytes().to_vec());
         }
-        pipe.zrem(keys.tombstones(), &members).ignore();
-        let _: () = pipe.query_async(&mut conn).await?;
+        let mut ops = CommitOps::empty();
+        for ((b, p), ids) in by_place {
+            let marker = keys.frozen_marker(b, p);
+            ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids.clone(), 1);
+            ops.kept_op(&keys.gens(b, p), &marker, &keys.frozen_gens(b, p), ids.clone(), 1);
+            ops.op("ZREM", &keys.ids(b, p), ids, 1);
+        }
+        let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
+        ops.op("ZREM", &keys.tombstones(), members_raw, 1);
+        ops.invoke(&self.purge_script, &mut conn).await?;
         Ok(members.len())
     }
 
@@ -657,11 +790,13 @@ impl Store {
         Ok(out)
     }
 
-    /// Freezes a place for its keyframe: copies its records and generations
-    /// (Redis `COPY`, in C, one atomic step with reading the sequence) to keys
-    /// of the same slot that only the keyframe reads. Returns the partition's
-    /// applied sequence at that point. The copies expire after `ttl` if the
-    /// keyframe never gets to [`Store::thaw_place`].
+    /// Freezes a place for its keyframe, in one small atomic step whatever
+    /// its size: reads the partition's applied sequence and sets the place's
+    /// frozen marker, after which every write to the place keeps the value it
+    /// replaces (copy on write, see [`OPS_LUA`]); what a keyframe left behind
+    /// is dropped first. Returns the applied sequence. The marker, and with
+    /// it what was kept, expires after `ttl` if the keyframe never gets to
+    /// [`Store::thaw_place`].
     pub async fn freeze_place(
         &self,
         partition: u32,
@@ -670,33 +805,27 @@ impl Store {
         ttl: std::time::Duration,
     ) -> Result<u64, StoreError> {
         let keys = self.keys(partition);
-        let (records, gens) =
-            (keys.frozen_records(brand_id, place_id), keys.frozen_gens(brand_id, place_id));
-        let ttl_ms = ttl.as_millis() as u64;
         let mut conn = self.conn.clone();
         let (seq,): (Option<u64>,) = redis::pipe()
             .atomic()
             .get(keys.seq())
-            .cmd("COPY")
-            .arg(keys.records(brand_id, place_id))
-            .arg(&records)
-            .arg("REPLACE")
+            .cmd("UNLINK")
+            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(keys.frozen_gens(brand_id, place_id))
             .ignore()
-            .cmd("COPY")
-            .arg(keys.gens(brand_id, place_id))
-            .arg(&gens)
-            .arg("REPLACE")
-            .ignore()
-            .pexpire(&records, ttl_ms as i64)
-            .ignore()
-            .pexpire(&gens, ttl_ms as i64)
+            .cmd("SET")
+            .arg(keys.frozen_marker(brand_id, place_id))
+            .arg(1)
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
             .ignore()
             .query_async(&mut conn)
             .await?;
         Ok(seq.unwrap_or(0))
     }
 
-    /// Drops what [`Store::freeze_place`] copied.
+    /// Ends what [`Store::freeze_place`] started: writes stop keeping
+    /// values, and the kept ones are dropped.
     pub async fn thaw_place(
         &self,
         partition: u32,
@@ -705,9 +834,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
-        // UNLINK: a 10k-field hash freed in the background, not while
-        // every partition's commands wait for Redis.
+        // UNLINK: freed in the background, not while every partition's
+        // commands wait for Redis.
         let _: () = redis::cmd("UNLINK")
+            .arg(keys.frozen_marker(brand_id, place_id))
             .arg(keys.frozen_records(brand_id, place_id))
             .arg(keys.frozen_gens(brand_id, place_id))
             .query_async(&mut conn)
@@ -729,7 +859,7 @@ impl Store {
         }
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
-        let (frozen, live): (Column, Column) = redis::pipe()
+        let (kept, live): (Column, Column) = redis::pipe()
             .cmd("HMGET")
             .arg(keys.frozen_records(brand_id, place_id))
             .arg(ids)
@@ -738,6 +868,12 @@ impl Store {
             .arg(ids)
             .query_async(&mut conn)
             .await?;
+        // Not kept: not written since the freeze.
+        let frozen: Column = kept
+            .into_iter()
+            .zip(&live)
+            .map(|(kept, live)| frozen_value(kept).unwrap_or_else(|| live.clone()))
+            .collect();
         let decode = |col: Column| -> Result<Vec<Option<Record>>, StoreError> {
             ids.iter()
                 .zip(col)
@@ -750,42 +886,45 @@ impl Store {
     }
 
     /// One HSCAN step over a place's records as [`Store::freeze_place`]
-    /// froze them (key and generation filled in). Returns the next cursor (0
-    /// when done). Duplicates are possible across steps if the hash is
-    /// rehashed; callers dedupe.
+    /// froze them (key and generation filled in). `kept`: over the records
+    /// written since the freeze, which finds those deleted since (a scan of
+    /// the live records may miss them); else over the live records, with
+    /// those written since read as they were frozen. Returns the next cursor
+    /// (0 when done). Duplicates are possible, within a pass when the hash is
+    /// rehashed and across the two passes: callers dedupe.
     pub async fn scan_frozen(
         &self,
         partition: u32,
         brand_id: i64,
         place_id: i64,
+        kept: bool,
         cursor: u64,
         count: usize,
     ) -> Result<(u64, Vec<Record>), StoreError> {
         let keys = self.keys(partition);
+        let (live, frozen) =
+            (keys.records(brand_id, place_id), keys.frozen_records(brand_id, place_id));
         let mut conn = self.conn.clone();
-        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
-            .arg(keys.frozen_records(brand_id, place_id))
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut conn)
-            .await?;
-        let pairs: Vec<(String, Vec<u8>)> = flat
-            .chunks(2)
-            .filter(|c| c.len() == 2)
-            .map(|c| (String::from_utf8_lossy(&c[0]).into_owned(), c[1].clone()))
-            .collect();
-        if pairs.is_empty() {
-            return Ok((next, Vec::new()));
-        }
-        let ids: Vec<&str> = pairs.iter().map(|(id, _)| id.as_str()).collect();
-        let gens: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
-            .arg(keys.frozen_gens(brand_id, place_id))
-            .arg(&ids)
-            .query_async(&mut conn)
-            .await?;
-        let mut out = Vec::with_capacity(pairs.len());
-        for ((id, bytes), generation) in pairs.into_iter().zip(gens) {
+        let (next, flat, gens, kept_recs, kept_gens): (u64, Vec<Vec<u8>>, Column, Column, Column) =
+            self.scan_script
+                .key(if kept { &frozen } else { &live })
+                .key(keys.gens(brand_id, place_id))
+                .key(&frozen)
+                .key(keys.frozen_gens(brand_id, place_id))
+                .arg(cursor)
+                .arg(count)
+                .invoke_async(&mut conn)
+                .await?;
+        let mut out = Vec::with_capacity(flat.len() / 2);
+        let fields = flat.chunks_exact(2).zip(gens).zip(kept_recs).zip(kept_gens);
+        for (((pair, generation), kept_rec), kept_gen) in fields {
+            let id = String::from_utf8_lossy(&pair[0]).into_owned();
+            // As frozen: the kept value if the record was written since.
+            let Some(bytes) = frozen_value(kept_rec).unwrap_or_else(|| Some(pair[1].clone()))
+            else {
+                continue;
+            };
+            let generation = frozen_value(kept_gen).unwrap_or(generation);
             let slot =
                 self.slot(&keys, brand_id, place_id, &id, Some(&bytes), generation.as_deref())?;
             if let Some(r) = slot.record {

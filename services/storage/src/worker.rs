@@ -347,7 +347,7 @@ impl Worker {
         Some(InHand { snapshot: s, frozen, started, task, span })
     }
 
-    /// Once the parts are out: the marker, then the frozen copy is dropped.
+    /// Once the parts are out: the marker, then the freeze ends.
     async fn finish_snapshot(
         &self,
         hand: InHand,
