@@ -1,5 +1,6 @@
 //! Storage against real nats-server and redis-server: change detection,
-//! generations and sweeps, CAS, tombstones, poison messages.
+//! generations and sweeps, CAS, tombstones, poison messages, a removed
+//! consumer, reading ahead.
 
 use std::time::Duration;
 
@@ -273,6 +274,27 @@ async fn graceful_stop_and_restart_resume_where_they_left() {
     let _storage = InProcessStorage::start(settings).await.unwrap();
     h.wait_settled().await;
     assert_eq!(h.changes().await.unwrap().len(), 400);
+}
+
+/// An operator, or a restart of servers that held it only in memory, can
+/// remove a partition's command consumer: storage binds it again and goes
+/// on, without stopping, losing or repeating a change.
+#[tokio::test]
+async fn a_removed_command_consumer_is_bound_again() {
+    let (_env, h, storage) = start().await;
+    h.send(full_import(&[1], 50, 0, |_, i| i as i64)).await.unwrap();
+    h.wait_settled().await;
+    let name = h.subjects.storage_consumer(h.partition(BRAND, 1));
+    let stream = h.js.get_stream(h.subjects.cmd_stream()).await.unwrap();
+    assert!(stream.delete_consumer(&name).await.unwrap().success);
+    // Sent while it is gone: applied once it is back.
+    h.send(full_import(&[1], 50, 0, |_, i| 1 + i as i64)).await.unwrap();
+    h.wait_settled().await;
+    assert!(stream.consumer_info(&name).await.is_ok(), "the consumer is back");
+    let changes = h.changes().await.unwrap();
+    assert_eq!(changes.len(), 100);
+    assert!(count_by_key(&changes).values().all(|&n| n == 2), "each record changed twice");
+    assert_eq!(shelfsync_storage::Stats::get(&storage.stats.batches), 2);
 }
 
 /// Messages queued behind the delivered one are read from the stream and

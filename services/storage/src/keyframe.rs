@@ -131,6 +131,19 @@ pub struct KeyframeLimits {
     pub permits: Arc<Semaphore>,
     pace: Option<Pace>,
     background: Background,
+    /// The keyframes' own NATS and Redis connections, made on the keyframe
+    /// thread at first use.
+    io: tokio::sync::OnceCell<KeyframeIo>,
+}
+
+/// Connections that only keyframes use. Their I/O runs on the keyframe
+/// thread (at its lower priority), and the live commands' connections never
+/// carry a keyframe's megabytes: a live change published or committed does
+/// not wait behind a 250 KB part or scan step on the same socket.
+#[derive(Clone)]
+pub struct KeyframeIo {
+    pub js: async_nats::jetstream::Context,
+    pub store: crate::store::Store,
 }
 
 impl KeyframeLimits {
@@ -140,7 +153,35 @@ impl KeyframeLimits {
             permits: Arc::new(Semaphore::new(concurrency)),
             pace: (records_per_s > 0).then(|| Pace::new(records_per_s)),
             background: Background::start(),
+            io: tokio::sync::OnceCell::new(),
         })
+    }
+
+    /// The keyframes' own connections, or — when they cannot be made — the
+    /// live ones given (tried again next time).
+    pub async fn io(
+        &self,
+        settings: &shelfsync_settings::Settings,
+        live: KeyframeIo,
+    ) -> KeyframeIo {
+        let connected = self
+            .io
+            .get_or_try_init(|| async {
+                let client =
+                    shelfsync_bus::connect(&settings.nats, "shelfsync-storage-keyframes", false)
+                        .await?;
+                let js = shelfsync_bus::jetstream(client, &settings.nats);
+                let store = crate::store::Store::connect(&settings.redis).await?;
+                anyhow::Ok(KeyframeIo { js, store })
+            })
+            .await;
+        match connected {
+            Ok(io) => io.clone(),
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "keyframes share the live connections");
+                live
+            }
+        }
     }
 
     /// Runs `task` (publishing a frozen place) on the keyframe thread.
@@ -164,9 +205,9 @@ impl KeyframeLimits {
 }
 
 /// A one-thread runtime whose thread runs at a lower CPU priority (`nice`
-/// +10): a keyframe's encoding gives way to the live commands, and to the
-/// NATS and Redis servers, whenever the CPU is short. Its I/O goes through
-/// the process's shared NATS and Redis connections.
+/// +5): a keyframe's encoding and its I/O (its own connections, see
+/// [`KeyframeIo`]) give way to the live commands, and to the NATS and Redis
+/// servers, whenever the CPU is short.
 struct Background {
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -298,6 +339,7 @@ impl Worker {
     pub(crate) async fn publish_frozen(
         &self,
         f: &Frozen,
+        io: &KeyframeIo,
         publisher: &mut Publisher,
     ) -> anyhow::Result<Digest> {
         let started = Instant::now();
@@ -328,7 +370,7 @@ impl Worker {
         // that the first pass did not meet (deleted since).
         let mut kept = false;
         loop {
-            let (next, records) = self
+            let (next, records) = io
                 .store
                 .scan_frozen(partition, f.brand_id, f.place_id, kept, cursor, SCAN_COUNT)
                 .await?;
@@ -346,7 +388,7 @@ impl Worker {
                     let records = std::mem::take(&mut pending);
                     self.keyframe_limits.pace(records.len()).await;
                     let batch = part_of(part, records, first_seq);
-                    let seq = self.publish_keyframe(&subject, batch, publisher).await?;
+                    let seq = self.publish_keyframe(&io.js, &subject, batch, publisher).await?;
                     first_seq.get_or_insert(seq);
                     part += 1;
                     pending_bytes = 0;
@@ -367,17 +409,15 @@ impl Worker {
         last.last = true;
         last.total = digest.count;
         last.digest = digest.sum;
-        let seq = self.publish_keyframe(&subject, last, publisher).await?;
+        let seq = self.publish_keyframe(&io.js, &subject, last, publisher).await?;
         let first_seq = first_seq.unwrap_or(seq);
         publisher.flush().await?;
 
         let keep = self.settings.storage.keyframes_kept;
-        if let Some(oldest_kept) = self
-            .store
-            .keyframe_published(partition, f.brand_id, f.place_id, first_seq, keep)
-            .await?
+        if let Some(oldest_kept) =
+            io.store.keyframe_published(partition, f.brand_id, f.place_id, first_seq, keep).await?
         {
-            let stream = self.js.get_stream(self.subjects.keyframes_stream()).await?;
+            let stream = io.js.get_stream(self.subjects.keyframes_stream()).await?;
             if let Err(e) = stream.purge().filter(&subject).sequence(oldest_kept).await {
                 warn!(%subject, error = %e, "purging old keyframes failed");
             }
@@ -449,6 +489,7 @@ impl Worker {
 
     async fn publish_keyframe(
         &self,
+        js: &async_nats::jetstream::Context,
         subject: &str,
         batch: KeyframeBatch,
         publisher: &mut Publisher,
@@ -470,7 +511,7 @@ impl Worker {
                 .headers(headers)
                 .message_id(&id)
                 .header(shelfsync_bus::TYPE_HEADER, msg_type::KEYFRAME_BATCH);
-            let ack = self.js.send_publish(subject.to_string(), msg).await?.await?;
+            let ack = js.send_publish(subject.to_string(), msg).await?.await?;
             return Ok(ack.sequence);
         }
         publisher

@@ -49,7 +49,7 @@ use tracing::{Instrument, debug, error, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
-use crate::keyframe::{Frozen, KeyframeJob, KeyframeLimits};
+use crate::keyframe::{Frozen, KeyframeIo, KeyframeJob, KeyframeLimits};
 use crate::stats::{Readiness, Stats};
 use crate::store::{Commit, Store, StoreError};
 
@@ -61,8 +61,8 @@ const MAX_FAILED_DELIVERIES: u64 = 5;
 /// Raw bytes kept in a dead-letter rejection.
 const MAX_RAW: usize = 128 * 1024;
 /// Keyframe parts (up to 1000 records, ~250 KB) of one place awaiting their
-/// ack. Small: the parts share the connection and the server with the live
-/// changes, which must not queue behind megabytes of snapshot.
+/// ack. Small: the parts share the server with the live changes, which must
+/// not queue behind megabytes of snapshot.
 const KEYFRAME_INFLIGHT: usize = 2;
 /// Longest wait between two attempts to bind the command consumer.
 const CONSUMER_RETRY_MAX: Duration = Duration::from_secs(10);
@@ -164,10 +164,64 @@ impl Worker {
             // across redeliveries.
             max_ack_pending: 1,
             max_deliver: -1,
+            // Its state (what was delivered and acked) is kept in memory, not
+            // rewritten to a file up to ten times a second per partition
+            // (a quarter of nats-server's CPU under live load). Nothing rests
+            // on it: an acked command is removed from the work-queue stream,
+            // a delivered one is applied at most once by its sequence, and a
+            // consumer lost with its servers is created again (`bind`).
+            memory_storage: true,
             ..Default::default()
         };
         let consumer = stream.get_or_create_consumer(&name, config).await?;
         Ok((stream, consumer))
+    }
+
+    /// Binds the partition's consumer and starts pulling, retrying until it
+    /// works: many consumers created at once (R3, a busy cluster) can time
+    /// out, and one slow answer must not stop the replica. `None`: shutdown.
+    async fn bind(
+        &self,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Option<(jetstream::stream::Stream, pull::Stream)> {
+        let mut delay = Duration::from_millis(500);
+        loop {
+            let bound = async {
+                let (stream, consumer) = self.consumer().await?;
+                let messages = shelfsync_bus::pull_messages(&consumer).await?;
+                anyhow::Ok((stream, messages))
+            };
+            match bound.await {
+                Ok(b) => return Some(b),
+                Err(e) => {
+                    warn!(
+                        partition = %self.partition, retry_in = ?delay, error = format!("{e:#}"),
+                        "cannot bind the command consumer; retrying"
+                    );
+                    tokio::select! {
+                        _ = stopped(shutdown) => return None,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(CONSUMER_RETRY_MAX);
+                }
+            }
+        }
+    }
+
+    /// Whether a pull error means the consumer no longer exists (asked of
+    /// the server: a restart of servers that held it in memory, or an
+    /// operator, can remove it).
+    async fn consumer_missing(&self, e: &jetstream::consumer::pull::MessagesError) -> bool {
+        use jetstream::consumer::pull::MessagesErrorKind as K;
+        if matches!(e.kind(), K::ConsumerDeleted) {
+            return true;
+        }
+        let name = self.subjects.storage_consumer(self.partition);
+        let Ok(stream) = self.js.get_stream_no_info(self.subjects.cmd_stream()).await else {
+            return false;
+        };
+        let info = stream.consumer_info(&name).await;
+        info.is_err_and(|e| e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound)
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
@@ -180,32 +234,13 @@ impl Worker {
         mut shutdown: watch::Receiver<bool>,
         mut jobs: mpsc::Receiver<KeyframeJob>,
     ) -> anyhow::Result<()> {
-        // Many consumers created at once (R3, a busy cluster) can time out:
-        // retried, so that one slow answer does not stop the replica.
-        let mut delay = Duration::from_millis(500);
-        let (stream, consumer) = loop {
-            match self.consumer().await {
-                Ok(c) => break c,
-                Err(e) => {
-                    warn!(
-                        partition = %self.partition, retry_in = ?delay, error = format!("{e:#}"),
-                        "cannot bind the command consumer; retrying"
-                    );
-                    tokio::select! {
-                        _ = stopped(&mut shutdown) => return Ok(()),
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                    delay = (delay * 2).min(CONSUMER_RETRY_MAX);
-                }
-            }
-        };
+        let Some((stream, mut messages)) = self.bind(&mut shutdown).await else { return Ok(()) };
         let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
         // Whatever a previous owner committed but did not publish goes first.
         {
             let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
             self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
         }
-        let mut messages = shelfsync_bus::pull_messages(&consumer).await?;
         // For reading ahead (direct gets on the command stream).
         let stream = (stream.cached_info().config.allow_direct
             && self.settings.storage.read_ahead > 0)
@@ -225,12 +260,22 @@ impl Worker {
                 biased;
                 _ = stopped(&mut stop) => break,
                 next = messages.next() => {
-                    let Some(next) = next else { break };
                     let msg = match next {
-                        Ok(msg) => msg,
-                        Err(e) => {
+                        Some(Ok(msg)) => msg,
+                        Some(Err(e)) if !self.consumer_missing(&e).await => {
                             warn!(partition = %self.partition, error = %e, "pull failed; retrying");
                             tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue;
+                        }
+                        // The consumer is gone (deleted, or its state lost
+                        // with the servers): bound again, it starts over from
+                        // the oldest message left, as every acked one was
+                        // removed (work queue), and sequences already applied
+                        // are only acked.
+                        _ => {
+                            warn!(partition = %self.partition, "command consumer gone; binding it again");
+                            let Some((_, m)) = self.bind(&mut shutdown).await else { break };
+                            messages = m;
                             continue;
                         }
                     };
@@ -337,8 +382,10 @@ impl Worker {
         let f = frozen.clone();
         let task = self.keyframe_limits.spawn(
             async move {
-                let mut publisher = Publisher::new(this.js.clone(), KEYFRAME_INFLIGHT);
-                let published = this.publish_frozen(&f, &mut publisher).await;
+                let live = KeyframeIo { js: this.js.clone(), store: this.store.clone() };
+                let io = this.keyframe_limits.io(&this.settings, live).await;
+                let mut publisher = Publisher::new(io.js.clone(), KEYFRAME_INFLIGHT);
+                let published = this.publish_frozen(&f, &io, &mut publisher).await;
                 drop(permit);
                 published
             }
