@@ -373,6 +373,15 @@ pub async fn run(
         let sent = load.stop().await?;
         let mut run = run?;
         let samples = drain(&consumer, sent).await;
+        // Every sample (publish time, latency, µs) for a look at when the
+        // slow ones happened (docs/PERFORMANCE.md, "Reproduce").
+        if let Ok(path) = std::env::var("SHELFSYNC_BENCH_DUMP") {
+            let mut out = format!("kf_start {kf_start} kf_end {kf_end}\n");
+            for s in &samples {
+                out.push_str(&format!("{} {}\n", s.published, s.indexed - s.published));
+            }
+            let _ = std::fs::write(path, out);
+        }
         let during =
             freshness("during a keyframe", p.fresh_rate, sent, &samples, kf_start, kf_end, started);
         eprintln!(

@@ -365,15 +365,28 @@ impl Worker {
         let mut pending_bytes = 0usize;
         let mut part = 0u32;
         let mut first_seq = None;
-        let mut cursor = 0u64;
         // The live records as frozen, then those written since the freeze
-        // that the first pass did not meet (deleted since).
+        // that the first pass did not meet (deleted since). Each step is
+        // read while the one before is encoded and published.
+        let scan = |kept: bool, cursor: u64| {
+            let (store, b, p) = (io.store.clone(), f.brand_id, f.place_id);
+            tokio::spawn(async move {
+                store.scan_frozen(partition, b, p, kept, cursor, SCAN_COUNT).await
+            })
+        };
         let mut kept = false;
+        let mut step = scan(kept, 0);
         loop {
-            let (next, records) = io
-                .store
-                .scan_frozen(partition, f.brand_id, f.place_id, kept, cursor, SCAN_COUNT)
-                .await?;
+            let (next, records) = step.await??;
+            let following = match (next, kept) {
+                (0, true) => None,
+                (0, false) => Some((true, 0)),
+                (cursor, kept) => Some((kept, cursor)),
+            };
+            let next_step = following.map(|(k, cursor)| {
+                kept = k;
+                scan(k, cursor)
+            });
             for r in records {
                 let id = r.key.as_ref().map(|k| k.product_id.clone()).unwrap_or_default();
                 // Rehashing can repeat a field across HSCAN steps.
@@ -396,12 +409,9 @@ impl Worker {
                 pending_bytes += len;
                 pending.push(r);
             }
-            cursor = next;
-            if cursor == 0 {
-                if kept {
-                    break;
-                }
-                kept = true;
+            match next_step {
+                Some(s) => step = s,
+                None => break,
             }
         }
         self.keyframe_limits.pace(pending.len()).await;
