@@ -544,8 +544,7 @@ async fn records_purged_while_their_place_is_frozen_stay_in_its_keyframe() {
     );
     assert_eq!(reply.records as usize, ITEMS, "{reply:?}");
     assert_eq!(records.len(), ITEMS);
-    let tombstones: HashSet<&str> =
-        records.iter().filter(|r| r.deleted).map(product_id).collect();
+    let tombstones: HashSet<&str> = records.iter().filter(|r| r.deleted).map(product_id).collect();
     let expected: HashSet<&str> = deleted.iter().map(String::as_str).collect();
     assert_eq!(tombstones, expected, "every tombstone as frozen, purged since or not");
     let d = digest_of(records.iter().map(|r| (product_id(r), r.updated_at)));

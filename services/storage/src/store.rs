@@ -188,21 +188,6 @@ if err then return redis.error_reply('purge: ' .. err) end
 return 1
 "#;
 
-/// One step over a place's records (KEYS[1]: the live hash, or the frozen
-/// one for the records written since the freeze) with, for each field, its
-/// live generation (KEYS[2]) and what the freeze kept of its record and
-/// generation (KEYS[3], KEYS[4]): `{cursor, flat, gens, frozen records,
-/// frozen gens}`. One call, so a step blocks Redis only as long as it reads.
-const FROZEN_SCAN_LUA: &str = r#"
-local r = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
-local flat = r[2]
-local ids = {}
-for j = 1, #flat, 2 do ids[#ids + 1] = flat[j] end
-if #ids == 0 then return {r[1], flat, {}, {}, {}} end
-return {r[1], flat, redis.call('HMGET', KEYS[2], unpack(ids)),
-  redis.call('HMGET', KEYS[3], unpack(ids)), redis.call('HMGET', KEYS[4], unpack(ids))}
-"#;
-
 /// A value kept by the copy on write of [`OPS_LUA`]: what the field held
 /// when the place was frozen.
 fn frozen_value(kept: Option<Vec<u8>>) -> Option<Option<Vec<u8>>> {
@@ -349,7 +334,6 @@ pub struct Store {
     namespace: String,
     commit_script: redis::Script,
     purge_script: redis::Script,
-    scan_script: redis::Script,
     trim_script: redis::Script,
     /// Per partition, how many outbox entries [`Store::outbox_peek`] last
     /// returned and the raw bytes of the last one, so that
@@ -367,7 +351,6 @@ impl Store {
             namespace: cfg.namespace.clone(),
             commit_script: redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}")),
             purge_script: redis::Script::new(&format!("{OPS_LUA}{PURGE_LUA}")),
-            scan_script: redis::Script::new(FROZEN_SCAN_LUA),
             trim_script: redis::Script::new(TRIM_LUA),
             peeked: Arc::default(),
             read_with_write: Arc::default(),
@@ -905,16 +888,32 @@ impl Store {
         let (live, frozen) =
             (keys.records(brand_id, place_id), keys.frozen_records(brand_id, place_id));
         let mut conn = self.conn.clone();
-        let (next, flat, gens, kept_recs, kept_gens): (u64, Vec<Vec<u8>>, Column, Column, Column) =
-            self.scan_script
-                .key(if kept { &frozen } else { &live })
-                .key(keys.gens(brand_id, place_id))
-                .key(&frozen)
-                .key(keys.frozen_gens(brand_id, place_id))
-                .arg(cursor)
-                .arg(count)
-                .invoke_async(&mut conn)
-                .await?;
+        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
+            .arg(if kept { &frozen } else { &live })
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut conn)
+            .await?;
+        if flat.is_empty() {
+            return Ok((next, Vec::new()));
+        }
+        // Read after the step, and still as frozen: a record or generation
+        // written since the step has its frozen value kept by then, and a
+        // kept value never changes.
+        let ids: Vec<&[u8]> = flat.chunks_exact(2).map(|pair| pair[0].as_slice()).collect();
+        let (gens, kept_recs, kept_gens): (Column, Column, Column) = redis::pipe()
+            .cmd("HMGET")
+            .arg(keys.gens(brand_id, place_id))
+            .arg(&ids)
+            .cmd("HMGET")
+            .arg(&frozen)
+            .arg(&ids)
+            .cmd("HMGET")
+            .arg(keys.frozen_gens(brand_id, place_id))
+            .arg(&ids)
+            .query_async(&mut conn)
+            .await?;
         let mut out = Vec::with_capacity(flat.len() / 2);
         let fields = flat.chunks_exact(2).zip(gens).zip(kept_recs).zip(kept_gens);
         for (((pair, generation), kept_rec), kept_gen) in fields {
