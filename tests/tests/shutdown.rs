@@ -122,3 +122,35 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
          the restarted one applied them in {rest:?}"
     );
 }
+
+/// With NATS and Redis both gone, SIGTERM still stops storage: nothing can
+/// be finished or flushed any more, and waiting for the servers would leave
+/// a pod hanging until the kubelet's SIGKILL.
+#[tokio::test]
+async fn sigterm_with_both_servers_gone_still_exits() {
+    let mut env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    settings.storage.http_listen = format!("127.0.0.1:{}", free_port());
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let addr: std::net::SocketAddr = settings.storage.http_listen.parse().expect("addr");
+    let mut storage = StorageProcess::start(&settings, &[]).expect("storage");
+    eventually(SETTLE, "storage to be ready", || async {
+        matches!(http_get(addr, "/readyz").await, Ok((200, _)))
+    })
+    .await;
+    h.send(vec![patch(BRAND, 1, "a", &product("a", 1, 1), 0)]).await.expect("send");
+    h.wait_settled().await;
+
+    env.nats.kill();
+    env.redis.kill();
+    // Long enough for storage to notice both connections gone.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let pid = storage.child.id().to_string();
+    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+    assert!(kill.success());
+    // The grace period for messages in hand (20 s) plus bounded closing
+    // steps; far below a stuck process, which never exits.
+    let status = storage.wait_exit(Duration::from_secs(60)).await.expect("storage exits");
+    eprintln!("storage exited with {status:?} after SIGTERM with both servers gone");
+}

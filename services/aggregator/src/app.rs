@@ -110,7 +110,7 @@ impl App {
         let _ = stop_tx.send(true);
         let _ = watcher.await;
         http_task.await.context("http task")?.context("http server")?;
-        client.flush().await.context("flushing the NATS connection")?;
+        shelfsync_bus::close(&client).await;
         info!("aggregator stopped");
         result.context("change feed")
     }

@@ -134,9 +134,7 @@ impl App {
         let _ = stop_tx.send(true);
         let _ = nats_task.await;
         let served = http_task.await.context("HTTP task panicked")?;
-        if let Err(e) = client.flush().await {
-            warn!(error = %e, "cannot flush the NATS connection");
-        }
+        shelfsync_bus::close(&client).await;
         served.context("HTTP server failed")?;
         result
     }

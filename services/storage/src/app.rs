@@ -251,14 +251,8 @@ impl App {
         })
         .await;
         side.shutdown().await;
-        // Acks and publishes on the wire, then subscriptions drained and
-        // the connection closed.
-        if let Err(e) = self.client.flush().await {
-            warn!(error = %e, "cannot flush the NATS connection");
-        }
-        if let Err(e) = self.client.drain().await {
-            warn!(error = %e, "cannot drain the NATS connection");
-        }
+        // Acks and publishes on the wire; bounded if the server is gone.
+        shelfsync_bus::close(&self.client).await;
         info!("storage stopped");
         Ok(())
     }

@@ -123,7 +123,7 @@ impl App {
         };
         tokio::join!(signal, work);
         http.await.context("HTTP task")?.context("HTTP server")?;
-        self.client.flush().await.ok();
+        shelfsync_bus::close(&self.client).await;
         info!("validator stopped");
         Ok(())
     }

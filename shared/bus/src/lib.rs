@@ -154,6 +154,26 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
     ]
 }
 
+/// How long each step of [`close`] waits for the server.
+pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Closes a service's connection at shutdown: what is buffered goes on the
+/// wire (flush), then subscriptions are drained and the connection closed.
+/// Each step waits at most [`CLOSE_WAIT`]: with the server gone both would
+/// wait for it to come back, and the process would hang until SIGKILL.
+pub async fn close(client: &async_nats::Client) {
+    match tokio::time::timeout(CLOSE_WAIT, client.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot flush the NATS connection"),
+        Err(_) => tracing::warn!(wait = ?CLOSE_WAIT, "NATS flush timed out"),
+    }
+    match tokio::time::timeout(CLOSE_WAIT, client.drain()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot drain the NATS connection"),
+        Err(_) => tracing::warn!(wait = ?CLOSE_WAIT, "NATS drain timed out"),
+    }
+}
+
 /// Pull requests of [`pull_messages`]: they expire after this ...
 const PULL_EXPIRES: Duration = Duration::from_secs(10);
 /// ... and the server sends an idle heartbeat this often; two missed ones
