@@ -166,7 +166,7 @@ impl Worker {
             max_deliver: -1,
             // Its state (what was delivered and acked) is kept in memory, not
             // rewritten to a file up to ten times a second per partition
-            // (a quarter of nats-server's CPU under live load). Nothing rests
+            // (≈15% of nats-server's CPU under the bench's live load). Nothing rests
             // on it: an acked command is removed from the work-queue stream,
             // a delivered one is applied at most once by its sequence, and a
             // consumer lost with its servers is created again (`bind`).
@@ -225,7 +225,7 @@ impl Worker {
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
-    /// Keyframe jobs are worked off one place at a time, each copied between
+    /// Keyframe jobs are worked off one place at a time, each frozen between
     /// two command messages once a replica-wide permit is free, with ready
     /// messages served first; the place's parts are published by a task while
     /// the partition goes on, and the next place waits for that task.
