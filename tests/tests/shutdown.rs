@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shelfsync_ingest::{Importer, Source};
-use shelfsync_settings::{ImportKind, PartnerSettings};
+use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
@@ -20,6 +20,32 @@ fn free_port() -> u16 {
     l.local_addr().expect("addr").port()
 }
 
+/// The test settings with no keyframe schedule and storage's HTTP port on
+/// a free one.
+fn settings_with_http(env: &TestEnv) -> Settings {
+    let mut settings = settings_for(env);
+    settings.storage.keyframe_schedule = String::new();
+    settings.storage.http_listen = format!("127.0.0.1:{}", free_port());
+    settings
+}
+
+/// The storage binary, once `/readyz` says 200, and its HTTP address.
+async fn start_ready(settings: &Settings) -> (StorageProcess, std::net::SocketAddr) {
+    let addr: std::net::SocketAddr = settings.storage.http_listen.parse().expect("addr");
+    let storage = StorageProcess::start(settings, &[]).expect("storage");
+    eventually(SETTLE, "storage to be ready", || async {
+        matches!(http_get(addr, "/readyz").await, Ok((200, _)))
+    })
+    .await;
+    (storage, addr)
+}
+
+fn sigterm(storage: &StorageProcess) {
+    let pid = storage.child.id().to_string();
+    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+    assert!(kill.success());
+}
+
 async fn messages(h: &Harness, stream: &str) -> u64 {
     match h.js.get_stream(stream).await {
         Ok(mut s) => s.info().await.map_or(0, |i| i.state.messages),
@@ -30,9 +56,7 @@ async fn messages(h: &Harness, stream: &str) -> u64 {
 #[tokio::test]
 async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.storage.http_listen = format!("127.0.0.1:{}", free_port());
+    let mut settings = settings_with_http(&env);
     // Small command messages: many of them, so the signal lands mid-way.
     settings.ingest.batch_size = 20;
     let partner = PartnerSettings {
@@ -47,13 +71,7 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
     };
     settings.partners = vec![partner.clone()];
     let h = Harness::connect(settings.clone()).await.expect("harness");
-    let addr: std::net::SocketAddr = settings.storage.http_listen.parse().expect("addr");
-
-    let mut storage = StorageProcess::start(&settings, &[]).expect("storage");
-    eventually(SETTLE, "storage to be ready", || async {
-        matches!(http_get(addr, "/readyz").await, Ok((200, _)))
-    })
-    .await;
+    let (mut storage, addr) = start_ready(&settings).await;
     let (code, _) = http_get(addr, "/healthz").await.expect("healthz");
     assert_eq!(code, 200);
 
@@ -88,10 +106,8 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
     })
     .await;
 
-    let pid = storage.child.id().to_string();
     let signalled = Instant::now();
-    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
-    assert!(kill.success());
+    sigterm(&storage);
     let status =
         storage.wait_exit(Duration::from_secs(10)).await.expect("storage exits on SIGTERM");
     assert!(status.success(), "storage exited with {status:?} after SIGTERM");
@@ -129,16 +145,9 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
 #[tokio::test]
 async fn sigterm_with_both_servers_gone_still_exits() {
     let mut env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.storage.http_listen = format!("127.0.0.1:{}", free_port());
+    let settings = settings_with_http(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
-    let addr: std::net::SocketAddr = settings.storage.http_listen.parse().expect("addr");
-    let mut storage = StorageProcess::start(&settings, &[]).expect("storage");
-    eventually(SETTLE, "storage to be ready", || async {
-        matches!(http_get(addr, "/readyz").await, Ok((200, _)))
-    })
-    .await;
+    let (mut storage, _) = start_ready(&settings).await;
     h.send(vec![patch(BRAND, 1, "a", &product("a", 1, 1), 0)]).await.expect("send");
     h.wait_settled().await;
 
@@ -146,9 +155,7 @@ async fn sigterm_with_both_servers_gone_still_exits() {
     env.redis.kill();
     // Long enough for storage to notice both connections gone.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let pid = storage.child.id().to_string();
-    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
-    assert!(kill.success());
+    sigterm(&storage);
     // The grace period for messages in hand (20 s) plus bounded closing
     // steps; far below a stuck process, which never exits.
     let status = storage.wait_exit(Duration::from_secs(60)).await.expect("storage exits");
