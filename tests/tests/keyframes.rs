@@ -2,7 +2,7 @@
 //! count and digest of an on-demand snapshot, one-place snapshots, where the
 //! marker sits in the change stream under live writes, the cron schedule,
 //! retention of old keyframes, expired tombstones, tombstones purged while
-//! their place is frozen, and two replicas.
+//! their place is frozen, giving way to late live changes, and two replicas.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -554,6 +554,60 @@ async fn records_purged_while_their_place_is_frozen_stay_in_its_keyframe() {
     // A purge changes no record's digest term: the tombstones are still
     // counted at the marker, as by a consumer that never saw them go.
     assert_eq!((mark.total, mark.digest), (d.count, d.sum));
+}
+
+/// A keyframe of 1 000 records paced at 1 000 a second (a 1 s share of
+/// time) while live commands published a minute ago keep arriving; returns
+/// the reply and the time the keyframe gave way to them, microseconds.
+async fn keyframe_behind_late_commands(yield_after: Duration) -> (KeyframeReply, u64) {
+    let (_env, h, storage) = start(|s| {
+        s.storage.keyframe_rate = 1000;
+        s.storage.keyframe_yield_after = yield_after;
+    })
+    .await;
+    const ITEMS: usize = 500;
+    write_places(&h, &[1, 2], ITEMS).await;
+    h.wait_settled().await;
+
+    let h = Arc::new(h);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = tokio::spawn({
+        let (h, stop) = (h.clone(), stop.clone());
+        async move {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+            let a_minute_ago = now.as_micros() as i64 - 60_000_000;
+            let mut n = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                n += 1;
+                let price = Product { price: Some(100_000 + n as i64), ..Default::default() };
+                let mut cmd = patch(BRAND, 1 + (n % 2) as i64, &sku(n % ITEMS), &price, 0);
+                cmd.origin.as_mut().expect("origin").published_at = a_minute_ago;
+                h.send(vec![cmd]).await?;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            anyhow::Ok(())
+        }
+    });
+    let reply = request_keyframe(&h, "", 0, 0).await;
+    stop.store(true, Ordering::SeqCst);
+    writer.await.expect("writer task").expect("writer sends");
+    (reply, storage.stats.keyframe_yield_us.load(Ordering::SeqCst))
+}
+
+#[tokio::test]
+async fn a_keyframe_gives_way_to_late_live_changes_at_most_twice_its_share_of_time() {
+    let (reply, yielded_us) = keyframe_behind_late_commands(Duration::from_millis(20)).await;
+    assert_eq!((reply.places, reply.records), (2, 1000), "{reply:?}");
+    println!("gave way for {yielded_us} µs");
+    assert!(yielded_us > 0, "the keyframe never gave way to late live changes");
+    assert!(yielded_us <= 2_000_000, "gave way for {yielded_us} µs, more than twice its 1 s share");
+}
+
+#[tokio::test]
+async fn a_keyframe_told_not_to_give_way_does_not() {
+    let (reply, yielded_us) = keyframe_behind_late_commands(Duration::ZERO).await;
+    assert_eq!((reply.places, reply.records), (2, 1000), "{reply:?}");
+    assert_eq!(yielded_us, 0);
 }
 
 /// Two replicas splitting the partitions: storage started twice with its

@@ -166,6 +166,7 @@ impl App {
         let keyframe_limits = crate::keyframe::KeyframeLimits::new(
             self.settings.storage.keyframe_concurrency,
             self.settings.storage.keyframe_rate,
+            self.settings.storage.keyframe_yield_after,
         );
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);

@@ -11,7 +11,9 @@
 //!    as frozen (HSCAN of the live hash, with the kept values in place of
 //!    the written ones, then the kept values of records deleted since) as
 //!    `KeyframeBatch`es at the replica's pace
-//!    (`storage.keyframe_rate`), the last one with the count and digest;
+//!    (`storage.keyframe_rate`; slower, when `storage.keyframe_yield_after`
+//!    is set, while live changes are late), the last one with the count and
+//!    digest;
 //!    purge keyframes older than the configured number;
 //! 3. **mark**, in the worker between two command messages: put a
 //!    `KeyframeMark` on the place's change subject. Its digest is the frozen
@@ -25,7 +27,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use prost::Message;
@@ -42,6 +44,13 @@ use crate::worker::Worker;
 const SCAN_COUNT: usize = 250;
 /// Records the marker reads back per round trip.
 const MARK_CHUNK: usize = 1000;
+/// A late live commit makes keyframes give way for this long after it ...
+const YIELD_HOLD: Duration = Duration::from_millis(20);
+/// ... checked this often.
+const YIELD_STEP: Duration = Duration::from_millis(5);
+/// A keyframe gives way for at most this many times its share of time
+/// (so it goes on at a third of its rate or more).
+const YIELD_MAX_FACTOR: u32 = 2;
 /// A freeze left behind by a keyframe that never finished expires.
 const FROZEN_TTL: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
 
@@ -130,6 +139,8 @@ impl JobProgress {
 pub struct KeyframeLimits {
     pub permits: Arc<Semaphore>,
     pace: Option<Pace>,
+    /// How late the live changes are: paced keyframes give way to them.
+    pub live: LiveLateness,
     background: Background,
     /// The keyframes' own NATS and Redis connections, made on the keyframe
     /// thread at first use.
@@ -147,11 +158,13 @@ pub struct KeyframeIo {
 }
 
 impl KeyframeLimits {
-    /// `concurrency` places at once; `records_per_s` = 0: unpaced.
-    pub fn new(concurrency: usize, records_per_s: u64) -> Arc<Self> {
+    /// `concurrency` places at once; `records_per_s` = 0: unpaced; giving
+    /// way to live changes later than `yield_after` (zero: never).
+    pub fn new(concurrency: usize, records_per_s: u64, yield_after: Duration) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(concurrency)),
             pace: (records_per_s > 0).then(|| Pace::new(records_per_s)),
+            live: LiveLateness::new(yield_after),
             background: Background::start(),
             io: tokio::sync::OnceCell::new(),
         })
@@ -196,12 +209,61 @@ impl KeyframeLimits {
         }
     }
 
-    /// Waits until `records` more may be published.
-    pub async fn pace(&self, records: usize) {
-        if let Some(p) = &self.pace {
-            p.take(records).await;
+    /// Waits until `records` more may be published: their share of time at
+    /// the keyframe rate, then, while live changes are late, up to twice
+    /// that share more. Returns the time given way.
+    pub async fn pace(&self, records: usize) -> Duration {
+        let Some(p) = &self.pace else { return Duration::ZERO };
+        let share = p.take(records).await;
+        let most = share * YIELD_MAX_FACTOR;
+        let start = Instant::now();
+        let mut gave_way = false;
+        while self.live.late() {
+            let waited = start.elapsed();
+            if waited >= most {
+                break;
+            }
+            gave_way = true;
+            tokio::time::sleep(YIELD_STEP.min(most - waited)).await;
+        }
+        if gave_way { start.elapsed().min(most) } else { Duration::ZERO }
+    }
+}
+
+/// How late the live changes are as storage commits them. Each commit
+/// reports the oldest command it holds; one older than the threshold makes
+/// the keyframes give way for [`YIELD_HOLD`].
+pub struct LiveLateness {
+    after_us: i64,
+    /// Microseconds since the epoch until which live changes count as late.
+    late_until: AtomicI64,
+}
+
+impl LiveLateness {
+    fn new(after: Duration) -> Self {
+        Self { after_us: after.as_micros() as i64, late_until: AtomicI64::new(0) }
+    }
+
+    /// A commit of commands published at `oldest_published_us` at the
+    /// earliest (microseconds since the epoch; 0: unknown).
+    pub fn committed(&self, oldest_published_us: i64) {
+        if self.after_us == 0 || oldest_published_us <= 0 {
+            return;
+        }
+        let now = now_us();
+        if now - oldest_published_us > self.after_us {
+            self.late_until.fetch_max(now + YIELD_HOLD.as_micros() as i64, Ordering::Relaxed);
         }
     }
+
+    /// Whether live changes were late a moment ago.
+    pub fn late(&self) -> bool {
+        now_us() < self.late_until.load(Ordering::Relaxed)
+    }
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
 }
 
 /// A one-thread runtime whose thread runs at a lower CPU priority (`nice`
@@ -270,14 +332,17 @@ impl Pace {
         }
     }
 
-    async fn take(&self, items: usize) {
+    /// Books `items` and waits for their turn; returns their share of time.
+    async fn take(&self, items: usize) -> Duration {
         let now = Instant::now();
+        let share = self.per_item * items as u32;
         let end = {
             let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
-            *next = (*next).max(now) + self.per_item * items as u32;
+            *next = (*next).max(now) + share;
             *next
         };
         tokio::time::sleep_until(end.into()).await;
+        share
     }
 }
 
@@ -399,7 +464,7 @@ impl Worker {
                     && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes)
                 {
                     let records = std::mem::take(&mut pending);
-                    self.keyframe_limits.pace(records.len()).await;
+                    self.give_way(records.len()).await;
                     let batch = part_of(part, records, first_seq);
                     let seq = self.publish_keyframe(&io.js, &subject, batch, publisher).await?;
                     first_seq.get_or_insert(seq);
@@ -414,7 +479,7 @@ impl Worker {
                 None => break,
             }
         }
-        self.keyframe_limits.pace(pending.len()).await;
+        self.give_way(pending.len()).await;
         let mut last = part_of(part, pending, first_seq);
         last.last = true;
         last.total = digest.count;
@@ -497,6 +562,17 @@ impl Worker {
         Ok(records)
     }
 
+    /// Paces `records` (see [`KeyframeLimits::pace`]), counting the time
+    /// given way to late live changes.
+    async fn give_way(&self, records: usize) {
+        let yielded = self.keyframe_limits.pace(records).await;
+        if !yielded.is_zero() {
+            self.stats.add(&self.stats.keyframe_yield_us, yielded.as_micros() as u64);
+            metrics::counter!(shelfsync_telemetry::names::KEYFRAME_YIELD_US)
+                .increment(yielded.as_micros() as u64);
+        }
+    }
+
     async fn publish_keyframe(
         &self,
         js: &async_nats::jetstream::Context,
@@ -547,11 +623,47 @@ mod tests {
 
     #[tokio::test]
     async fn keyframes_run_on_a_thread_of_lower_priority() {
-        let limits = KeyframeLimits::new(1, 0);
+        let limits = KeyframeLimits::new(1, 0, Duration::ZERO);
         let live = my_priority();
         let theirs = limits.spawn(async { my_priority() }).await.expect("task");
         assert_eq!(theirs, (live + KEYFRAME_NICE).min(19), "live thread at {live}");
         // Dropped inside a runtime without a panic.
         drop(limits);
+    }
+
+    fn ms_ago(ms: i64) -> i64 {
+        now_us() - ms * 1000
+    }
+
+    #[test]
+    fn only_commands_older_than_the_threshold_make_live_changes_late() {
+        let live = LiveLateness::new(Duration::from_millis(20));
+        live.committed(0);
+        live.committed(ms_ago(5));
+        assert!(!live.late(), "a fresh commit or an unknown age is not late");
+        live.committed(ms_ago(50));
+        assert!(live.late());
+        std::thread::sleep(YIELD_HOLD + Duration::from_millis(5));
+        assert!(!live.late(), "late only for a moment after the late commit");
+
+        let never = LiveLateness::new(Duration::ZERO);
+        never.committed(ms_ago(60_000));
+        assert!(!never.late(), "a zero threshold turns giving way off");
+    }
+
+    #[tokio::test]
+    async fn a_keyframe_gives_way_to_late_live_changes_at_most_twice_its_share() {
+        // 1000 records/s: 10 records are a 10 ms share.
+        let limits = KeyframeLimits::new(1, 1000, Duration::from_millis(20));
+        assert_eq!(limits.pace(10).await, Duration::ZERO, "live changes on time");
+
+        // Late all along: gives way, but only twice its share.
+        limits.live.late_until.store(i64::MAX, Ordering::Relaxed);
+        assert_eq!(limits.pace(10).await, Duration::from_millis(20));
+
+        // Unpaced keyframes never wait.
+        let unpaced = KeyframeLimits::new(1, 0, Duration::from_millis(20));
+        unpaced.live.late_until.store(i64::MAX, Ordering::Relaxed);
+        assert_eq!(unpaced.pace(1000).await, Duration::ZERO);
     }
 }

@@ -56,6 +56,8 @@ pub struct Stats {
     pub fenced: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub keyframe_records: AtomicU64,
+    /// Time keyframes gave way to late live changes, microseconds.
+    pub keyframe_yield_us: AtomicU64,
     /// Longest time one place's keyframe held its partition, microseconds.
     pub keyframe_place_max_us: AtomicU64,
 }
@@ -88,6 +90,7 @@ impl Stats {
             "dead_lettered": g(&self.dead_lettered),
             "keyframe_records": g(&self.keyframe_records),
             "keyframe_place_max_us": g(&self.keyframe_place_max_us),
+            "keyframe_yield_us": g(&self.keyframe_yield_us),
         })
     }
     pub fn get(counter: &AtomicU64) -> u64 {

@@ -712,6 +712,7 @@ impl Worker {
             {
                 Commit::Done => {
                     self.note_changed(&loaded.slots);
+                    self.keyframe_limits.live.committed(oldest_published(todo.iter().copied()));
                     let s = &self.stats;
                     s.add(&s.batches, todo.len() as u64);
                     s.add(
@@ -963,6 +964,20 @@ fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::He
         headers.insert(shelfsync_telemetry::TRACESTATE, e.tracestate.as_str());
     }
     Some(headers)
+}
+
+/// When the oldest command of `batches` was published, microseconds since
+/// the epoch (0: none says).
+fn oldest_published<'a>(
+    batches: impl IntoIterator<Item = &'a (u64, shelfsync_proto::CommandBatch)>,
+) -> i64 {
+    batches
+        .into_iter()
+        .flat_map(|(_, b)| &b.commands)
+        .filter_map(|c| c.origin.as_ref().map(|o| o.published_at))
+        .filter(|&t| t > 0)
+        .min()
+        .unwrap_or(0)
 }
 
 /// Metrics of one committed command message.

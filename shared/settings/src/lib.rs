@@ -286,6 +286,12 @@ pub struct StorageSettings {
     /// can). A keyframe is background work: paced, it leaves the machine to
     /// the live changes.
     pub keyframe_rate: u64,
+    /// Keyframes give way to live changes later than this: while storage
+    /// commits commands published longer ago, a paced keyframe waits (at
+    /// most twice its share of time, so it goes on at a third of its rate
+    /// or more). 0 s (the default): never.
+    #[serde(with = "humantime_serde")]
+    pub keyframe_yield_after: Duration,
     /// Command messages a partition worker reads from the stream behind the
     /// one delivered, to commit them together (0: one message at a time).
     /// More means fewer Redis and NATS round trips per message under load.
@@ -311,6 +317,7 @@ impl Default for StorageSettings {
             keyframes_kept: 2,
             keyframe_concurrency: 2,
             keyframe_rate: 100_000,
+            keyframe_yield_after: Duration::ZERO,
             read_ahead: 32,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
@@ -804,5 +811,19 @@ source = "https://partner.example/feed.json"
             .expect_err("missing")
             .to_string();
         assert!(err.contains("does not exist"), "{err}");
+    }
+
+    #[test]
+    fn the_shipped_config_files_load() {
+        for file in [
+            "config/example.toml",
+            "compose/config/shelfsync.toml",
+            "k8s/base/config/shelfsync.toml",
+        ] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(file);
+            if let Err(e) = Settings::load_from(Some(&path), &[]) {
+                panic!("{file}: {e}");
+            }
+        }
     }
 }

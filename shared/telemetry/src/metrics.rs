@@ -31,6 +31,8 @@ pub mod names {
     pub const OUTBOX_DEPTH: &str = "shelfsync_outbox_depth";
     /// Storage: time one place's keyframe took (histogram).
     pub const KEYFRAME_SECONDS: &str = "shelfsync_keyframe_seconds";
+    /// Storage: time keyframes gave way to late live changes.
+    pub const KEYFRAME_YIELD_US: &str = "shelfsync_keyframe_yield_microseconds_total";
     /// Ingest: valid feed items turned into commands.
     pub const INGEST_ITEMS: &str = "shelfsync_ingest_items_total";
     /// Ingest: raw feed bytes read.
@@ -103,6 +105,11 @@ fn describe() {
     describe_gauge!(CONSUMER_LAG, "Messages not yet delivered to a consumer");
     describe_gauge!(OUTBOX_DEPTH, "Storage outbox entries waiting to be published");
     describe_histogram!(KEYFRAME_SECONDS, Unit::Seconds, "Time of one place's keyframe");
+    describe_counter!(
+        KEYFRAME_YIELD_US,
+        Unit::Microseconds,
+        "Time keyframes gave way to late live changes"
+    );
     describe_counter!(INGEST_ITEMS, "Valid feed items turned into commands");
     describe_counter!(INGEST_BYTES, Unit::Bytes, "Raw feed bytes read by ingest");
     describe_counter!(FEED_DRIFT_REPAIRS, "Places reloaded after a digest mismatch");
