@@ -19,7 +19,8 @@ use shelfsync_recommender::{IndexHandler, SharedIndex};
 use tokio::sync::{oneshot, watch};
 
 use crate::children::Target;
-use crate::report::{FreshnessRun, KeyframeRun, Report};
+use crate::measure;
+use crate::report::{CpuCores, FreshnessRun, KeyframeRun, Report};
 use crate::stats::Percentiles;
 use crate::world::{BRAND, World};
 
@@ -246,7 +247,8 @@ async fn publish(
 /// Asks storage for a keyframe of every place and waits for it.
 pub async fn keyframe(world: &World, storage: &Target, label: &str) -> anyhow::Result<KeyframeRun> {
     let cpu_before = storage.cpu_seconds();
-    let max_place_before = place_max_us(world, storage).await;
+    let max_place_before = storage_stat(world, storage, "keyframe_place_max_us").await;
+    let yield_before = storage_stat(world, storage, "keyframe_yield_us").await;
     let started = Instant::now();
     let replies = shelfsync_bus::request_keyframe(
         &world.client,
@@ -262,10 +264,12 @@ pub async fn keyframe(world: &World, storage: &Target, label: &str) -> anyhow::R
     if !reply.error.is_empty() {
         bail!("keyframe failed: {}", reply.error);
     }
-    let max_place_after = place_max_us(world, storage).await;
+    let max_place_after = storage_stat(world, storage, "keyframe_place_max_us").await;
+    let yield_after = storage_stat(world, storage, "keyframe_yield_us").await;
     Ok(KeyframeRun {
         longest_place_ms: (max_place_after > max_place_before)
             .then_some(max_place_after as f64 / 1e3),
+        gave_way_s: yield_after.saturating_sub(yield_before) as f64 / 1e6,
         label: label.into(),
         places: reply.places,
         records: reply.records,
@@ -280,6 +284,7 @@ pub async fn keyframe(world: &World, storage: &Target, label: &str) -> anyhow::R
 /// A keyframe of every place, requested one place at a time.
 async fn keyframe_place_by_place(world: &World, storage: &Target) -> anyhow::Result<KeyframeRun> {
     let cpu_before = storage.cpu_seconds();
+    let yield_before = storage_stat(world, storage, "keyframe_yield_us").await;
     let started = Instant::now();
     let (mut records, mut places, mut longest) = (0u64, 0u32, 0f64);
     for place in 1..=i64::from(world.profile.places) {
@@ -310,15 +315,19 @@ async fn keyframe_place_by_place(world: &World, storage: &Target) -> anyhow::Res
         records_per_s: records as f64 / duration_s,
         storage_cpu_s: storage.cpu_seconds() - cpu_before,
         longest_place_ms: Some(longest),
+        gave_way_s: storage_stat(world, storage, "keyframe_yield_us")
+            .await
+            .saturating_sub(yield_before) as f64
+            / 1e6,
         live_p99_ms: None,
         live_baseline_p99_ms: None,
     })
 }
 
-/// Storage's running maximum of the time one place's snapshot held its partition, µs.
-async fn place_max_us(world: &World, storage: &Target) -> u64 {
+/// One of storage's counters (`/stats`; 0 when it cannot be read).
+async fn storage_stat(world: &World, storage: &Target, name: &str) -> u64 {
     let stats = storage.stats(world).await.unwrap_or_default();
-    stats.get("keyframe_place_max_us").and_then(serde_json::Value::as_u64).unwrap_or(0)
+    stats.get(name).and_then(serde_json::Value::as_u64).unwrap_or(0)
 }
 
 /// Keyframe idle, the consumer's bootstrap, freshness without a keyframe, and (with
@@ -344,7 +353,10 @@ pub async fn run(
     // Without a keyframe.
     let started = now_us();
     let load = Load::start(world, storage, p.fresh_rate, 1);
-    tokio::time::sleep(p.fresh_run).await;
+    tokio::time::sleep(p.fresh_run / 4).await;
+    let cpu = CpuSnapshot::take(world, storage);
+    tokio::time::sleep(p.fresh_run - p.fresh_run / 4).await;
+    let cpu = cpu.cores_since(world, storage);
     let sent = load.stop().await?;
     let ended = now_us();
     let samples = drain(&consumer, sent).await;
@@ -358,7 +370,9 @@ pub async fn run(
         ended,
         started,
     );
-    eprintln!("[bench] freshness: {}", baseline.indexed.render());
+    let mut baseline = baseline;
+    eprintln!("[bench] freshness: {}; CPU {}", baseline.indexed.render(), cpu.render());
+    baseline.cpu_cores = Some(cpu);
     let baseline_p99 = baseline.indexed.p99;
     report.freshness.push(baseline);
 
@@ -367,7 +381,9 @@ pub async fn run(
         let load = Load::start(world, storage, p.fresh_rate, 2);
         tokio::time::sleep(p.keyframe_margin).await;
         let kf_start = now_us();
+        let cpu = CpuSnapshot::take(world, storage);
         let run = keyframe(world, storage, &format!("under {} changes/s", p.fresh_rate)).await;
+        let cpu = cpu.cores_since(world, storage);
         let kf_end = now_us();
         tokio::time::sleep(p.keyframe_margin).await;
         let sent = load.stop().await?;
@@ -382,13 +398,16 @@ pub async fn run(
             }
             let _ = std::fs::write(path, out);
         }
-        let during =
+        let mut during =
             freshness("during a keyframe", p.fresh_rate, sent, &samples, kf_start, kf_end, started);
         eprintln!(
-            "[bench] keyframe under load: {:.1} s; freshness during it: {}",
+            "[bench] keyframe under load: {:.1} s, gave way {:.1} s; freshness during it: {}; CPU {}",
             run.duration_s,
-            during.indexed.render()
+            run.gave_way_s,
+            during.indexed.render(),
+            cpu.render()
         );
+        during.cpu_cores = Some(cpu);
         run.live_p99_ms = Some(during.indexed.p99);
         run.live_baseline_p99_ms = Some(baseline_p99);
         report.keyframes.push(run);
@@ -434,6 +453,39 @@ pub async fn run(
     Ok(())
 }
 
+/// CPU seconds of the processes sharing the machine, at one instant.
+struct CpuSnapshot {
+    at: Instant,
+    cpu: CpuCores,
+}
+
+impl CpuSnapshot {
+    fn take(world: &World, storage: &Target) -> Self {
+        let of = |pid: Option<u32>| pid.and_then(measure::cpu_seconds).unwrap_or(0.0);
+        Self {
+            at: Instant::now(),
+            cpu: CpuCores {
+                storage: storage.cpu_seconds(),
+                nats: of(world.nats.pid()),
+                redis: of(world.redis.pid()),
+                harness: measure::self_cpu_seconds(),
+            },
+        }
+    }
+
+    /// Cores each process used on average since the snapshot.
+    fn cores_since(self, world: &World, storage: &Target) -> CpuCores {
+        let now = Self::take(world, storage);
+        let s = now.at.duration_since(self.at).as_secs_f64().max(1e-9);
+        CpuCores {
+            storage: (now.cpu.storage - self.cpu.storage) / s,
+            nats: (now.cpu.nats - self.cpu.nats) / s,
+            redis: (now.cpu.redis - self.cpu.redis) / s,
+            harness: (now.cpu.harness - self.cpu.harness) / s,
+        }
+    }
+}
+
 /// Waits (at most 60 s) until every published change was timed; returns the samples.
 async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -467,5 +519,6 @@ fn freshness(
         load_s,
         arrival: Percentiles::of(ms(|s| s.arrived - s.published), "ms"),
         indexed: Percentiles::of(ms(|s| s.indexed - s.published), "ms"),
+        cpu_cores: None,
     }
 }

@@ -128,6 +128,8 @@ pub struct KeyframeRun {
     pub storage_cpu_s: f64,
     /// Longest time one place's snapshot held its partition (storage's counter), when it grew.
     pub longest_place_ms: Option<f64>,
+    /// Time storage's keyframes gave way to late live changes (its counter).
+    pub gave_way_s: f64,
     /// Freshness p99 (index updated) of changes published during the keyframe, ms.
     pub live_p99_ms: Option<f64>,
     /// The same without a keyframe, ms.
@@ -147,6 +149,27 @@ pub struct FreshnessRun {
     pub arrival: Percentiles,
     /// Ingest publish → the recommender index holds it.
     pub indexed: Percentiles,
+    /// CPU of each process over the load (or the keyframe) window.
+    pub cpu_cores: Option<CpuCores>,
+}
+
+/// Cores used on average by each process on the machine over a window.
+#[derive(Debug, Default, Serialize)]
+pub struct CpuCores {
+    pub storage: f64,
+    pub nats: f64,
+    pub redis: f64,
+    /// This process: the load generator and the ChangeFeed consumer.
+    pub harness: f64,
+}
+
+impl CpuCores {
+    pub fn render(&self) -> String {
+        format!(
+            "storage {:.2} / nats {:.2} / redis {:.2} / harness {:.2} cores",
+            self.storage, self.nats, self.redis, self.harness
+        )
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -539,7 +562,7 @@ impl Report {
         if !self.keyframes.is_empty() {
             let _ = writeln!(
                 md,
-                "### Keyframes\n\n| keyframe | records | places | duration s | records/s | storage CPU s | longest partition hold ms | live p99 during / without |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+                "### Keyframes\n\n| keyframe | records | places | duration s | records/s | storage CPU s | longest partition hold ms | gave way to live s | live p99 during / without |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             );
             for k in &self.keyframes {
                 let live = match (k.live_p99_ms, k.live_baseline_p99_ms) {
@@ -549,7 +572,7 @@ impl Report {
                 let longest = k.longest_place_ms.map_or("≤ previous".into(), fmt_num);
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     k.label,
                     k.records,
                     k.places,
@@ -557,6 +580,7 @@ impl Report {
                     fmt_num(k.records_per_s),
                     fmt_num(k.storage_cpu_s),
                     longest,
+                    fmt_num(k.gave_way_s),
                     live
                 );
             }
