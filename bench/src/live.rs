@@ -361,7 +361,7 @@ pub async fn run(
     let ended = now_us();
     let samples = drain(&consumer, sent).await;
     let warmup = (p.fresh_run.as_micros() as i64 / 4).min(1_000_000);
-    let baseline = freshness(
+    let mut baseline = freshness(
         "without a keyframe",
         p.fresh_rate,
         sent,
@@ -370,7 +370,6 @@ pub async fn run(
         ended,
         started,
     );
-    let mut baseline = baseline;
     eprintln!("[bench] freshness: {}; CPU {}", baseline.indexed.render(), cpu.render());
     baseline.cpu_cores = Some(cpu);
     let baseline_p99 = baseline.indexed.p99;

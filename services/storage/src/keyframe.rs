@@ -244,13 +244,18 @@ impl LiveLateness {
         Self { after_us: after.as_micros() as i64, late_until: AtomicI64::new(0) }
     }
 
-    /// A commit of commands published at `oldest_published_us` at the
-    /// earliest (microseconds since the epoch; 0: unknown).
-    pub fn committed(&self, oldest_published_us: i64) {
-        if self.after_us == 0 || oldest_published_us <= 0 {
+    /// A commit of commands published at `oldest_published_us()` at the
+    /// earliest (microseconds since the epoch; 0: unknown). Not asked when
+    /// giving way is off.
+    pub fn committed(&self, oldest_published_us: impl FnOnce() -> i64) {
+        if self.after_us == 0 {
             return;
         }
-        let now = now_us();
+        let oldest_published_us = oldest_published_us();
+        if oldest_published_us <= 0 {
+            return;
+        }
+        let now = Worker::now_us();
         if now - oldest_published_us > self.after_us {
             self.late_until.fetch_max(now + YIELD_HOLD.as_micros() as i64, Ordering::Relaxed);
         }
@@ -258,12 +263,8 @@ impl LiveLateness {
 
     /// Whether live changes were late a moment ago.
     pub fn late(&self) -> bool {
-        now_us() < self.late_until.load(Ordering::Relaxed)
+        Worker::now_us() < self.late_until.load(Ordering::Relaxed)
     }
-}
-
-fn now_us() -> i64 {
-    chrono::Utc::now().timestamp_micros()
 }
 
 /// A one-thread runtime whose thread runs at a lower CPU priority (`nice`
@@ -385,7 +386,7 @@ impl Worker {
     ) -> anyhow::Result<Frozen> {
         let command_seq =
             self.store.freeze_place(self.partition.0, brand_id, place_id, FROZEN_TTL).await?;
-        let as_of = chrono::Utc::now().timestamp_micros();
+        let as_of = Self::now_us();
         Ok(Frozen {
             keyframe_id: keyframe_id.to_string(),
             changes_seq,
@@ -632,22 +633,22 @@ mod tests {
     }
 
     fn ms_ago(ms: i64) -> i64 {
-        now_us() - ms * 1000
+        Worker::now_us() - ms * 1000
     }
 
     #[test]
     fn only_commands_older_than_the_threshold_make_live_changes_late() {
         let live = LiveLateness::new(Duration::from_millis(20));
-        live.committed(0);
-        live.committed(ms_ago(5));
+        live.committed(|| 0);
+        live.committed(|| ms_ago(5));
         assert!(!live.late(), "a fresh commit or an unknown age is not late");
-        live.committed(ms_ago(50));
+        live.committed(|| ms_ago(50));
         assert!(live.late());
         std::thread::sleep(YIELD_HOLD + Duration::from_millis(5));
         assert!(!live.late(), "late only for a moment after the late commit");
 
         let never = LiveLateness::new(Duration::ZERO);
-        never.committed(ms_ago(60_000));
+        never.committed(|| ms_ago(60_000));
         assert!(!never.late(), "a zero threshold turns giving way off");
     }
 

@@ -143,7 +143,7 @@ enum HandleError {
 }
 
 impl Worker {
-    fn now_us() -> i64 {
+    pub(crate) fn now_us() -> i64 {
         chrono::Utc::now().timestamp_micros()
     }
 
@@ -712,7 +712,7 @@ impl Worker {
             {
                 Commit::Done => {
                     self.note_changed(&loaded.slots);
-                    self.keyframe_limits.live.committed(oldest_published(todo.iter().copied()));
+                    self.keyframe_limits.live.committed(|| oldest_published(todo.iter().copied()));
                     let s = &self.stats;
                     s.add(&s.batches, todo.len() as u64);
                     s.add(
