@@ -31,10 +31,12 @@ pub fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
 }
 
-/// One timed change: when it was published, reached the handler, was in the index (µs).
+/// One timed change: when it was published, applied by storage (the record's
+/// `updated_at`), reached the handler, was in the index (µs).
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     published: i64,
+    applied: i64,
     arrived: i64,
     indexed: i64,
 }
@@ -53,7 +55,12 @@ impl Handler for TimedIndex {
         let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
         for u in updates {
             if let Some(o) = u.origin.as_ref().filter(|o| o.source == LOAD_SOURCE) {
-                samples.push(Sample { published: o.published_at, arrived, indexed });
+                samples.push(Sample {
+                    published: o.published_at,
+                    applied: u.after.updated_at,
+                    arrived,
+                    indexed,
+                });
             }
         }
         Ok(())
@@ -370,7 +377,12 @@ pub async fn run(
         ended,
         started,
     );
-    eprintln!("[bench] freshness: {}; CPU {}", baseline.indexed.render(), cpu.render());
+    eprintln!(
+        "[bench] freshness: {} (applied by storage: {}); CPU {}",
+        baseline.indexed.render(),
+        baseline.applied.render(),
+        cpu.render()
+    );
     baseline.cpu_cores = Some(cpu);
     let baseline_p99 = baseline.indexed.p99;
     report.freshness.push(baseline);
@@ -393,17 +405,24 @@ pub async fn run(
         if let Ok(path) = std::env::var("SHELFSYNC_BENCH_DUMP") {
             let mut out = format!("kf_start {kf_start} kf_end {kf_end}\n");
             for s in &samples {
-                out.push_str(&format!("{} {}\n", s.published, s.indexed - s.published));
+                out.push_str(&format!(
+                    "{} {} {}\n",
+                    s.published,
+                    s.indexed - s.published,
+                    s.applied - s.published
+                ));
             }
             let _ = std::fs::write(path, out);
         }
         let mut during =
             freshness("during a keyframe", p.fresh_rate, sent, &samples, kf_start, kf_end, started);
         eprintln!(
-            "[bench] keyframe under load: {:.1} s, gave way {:.1} s; freshness during it: {}; CPU {}",
+            "[bench] keyframe under load: {:.1} s, gave way {:.1} s; freshness during it: {} \
+             (applied by storage: {}); CPU {}",
             run.duration_s,
             run.gave_way_s,
             during.indexed.render(),
+            during.applied.render(),
             cpu.render()
         );
         during.cpu_cores = Some(cpu);
@@ -516,6 +535,7 @@ fn freshness(
         received: samples.len() as u64,
         window_s: (to - from) as f64 / 1e6,
         load_s,
+        applied: Percentiles::of(ms(|s| s.applied - s.published), "ms"),
         arrival: Percentiles::of(ms(|s| s.arrived - s.published), "ms"),
         indexed: Percentiles::of(ms(|s| s.indexed - s.published), "ms"),
         cpu_cores: None,

@@ -145,6 +145,9 @@ pub struct FreshnessRun {
     /// Changes published in this window are the samples.
     pub window_s: f64,
     pub load_s: f64,
+    /// Ingest publish → storage applied the command (the record's `updated_at`,
+    /// storage's clock; the same machine): the first half of the path.
+    pub applied: Percentiles,
     /// Ingest publish → the ChangeFeed kit hands the change to the consumer.
     pub arrival: Percentiles,
     /// Ingest publish → the recommender index holds it.
@@ -597,17 +600,18 @@ impl Report {
             let _ = writeln!(
                 md,
                 "### Freshness (ingest publish → ChangeFeed consumer → recommender index)\n\n\
-                 | run | offered /s | changes timed / published | window s | publish → consumer | publish → index updated |\n|---|---:|---:|---:|---|---|"
+                 | run | offered /s | changes timed / published | window s | publish → applied by storage | publish → consumer | publish → index updated |\n|---|---:|---:|---:|---|---|---|"
             );
             for f in &self.freshness {
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} / {} | {} | {} | {} |",
+                    "| {} | {} | {} / {} | {} | {} | {} | {} |",
                     f.label,
                     fmt_num(f.offered_per_s),
                     f.received,
                     f.published,
                     fmt_num(f.window_s),
+                    f.applied.render(),
                     f.arrival.render(),
                     f.indexed.render()
                 );
