@@ -541,3 +541,27 @@ fn freshness(
         cpu_cores: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freshness_splits_each_sample_where_storage_applied_it() {
+        // Published at t, applied 2 ms later, handed over 5 ms after, indexed 1 ms after that.
+        let at = |t: i64| Sample {
+            published: t,
+            applied: t + 2_000,
+            arrived: t + 7_000,
+            indexed: t + 8_000,
+        };
+        let mut samples: Vec<Sample> = (0..100).map(|i| at(1_000_000 + i * 1_000)).collect();
+        // Outside the window: not counted.
+        samples.push(Sample { published: 5_000_000, applied: 5_900_000, ..at(5_000_000) });
+        let run = freshness("t", 5000, 101, &samples, 1_000_000, 1_099_000, 0);
+        assert_eq!(run.applied.samples, 100);
+        assert_eq!((run.applied.p50, run.applied.max), (2.0, 2.0));
+        assert_eq!((run.arrival.p99, run.indexed.p99), (7.0, 8.0));
+        assert_eq!(run.received, 101, "every sample received, in the window or not");
+    }
+}
