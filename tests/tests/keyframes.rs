@@ -574,8 +574,7 @@ async fn keyframe_behind_late_commands(yield_after: Duration) -> (KeyframeReply,
     let writer = tokio::spawn({
         let (h, stop) = (h.clone(), stop.clone());
         async move {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
-            let a_minute_ago = now.as_micros() as i64 - 60_000_000;
+            let a_minute_ago = now_us() - 60_000_000;
             let mut n = 0usize;
             while !stop.load(Ordering::SeqCst) {
                 n += 1;
