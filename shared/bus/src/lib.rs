@@ -21,7 +21,7 @@ use async_nats::jetstream::{self, stream};
 use shelfsync_settings::{NatsSettings, Settings};
 
 pub use batch::{CommandBatcher, batch_overhead};
-pub use publish::{PublishFailed, Publisher};
+pub use publish::{Failure, PublishFailed, Publisher};
 pub use subjects::{Partition, Subjects, partition_of, token};
 
 /// W3C trace context in message headers (re-exported from
@@ -95,7 +95,23 @@ pub fn jetstream(client: async_nats::Client, cfg: &NatsSettings) -> jetstream::C
     jetstream::ContextBuilder::new().timeout(cfg.request_timeout).build(client)
 }
 
+/// A size limit of the settings (0: unlimited) as JetStream takes it.
+fn max_bytes(limit: u64) -> i64 {
+    if limit == 0 { -1 } else { i64::try_from(limit).unwrap_or(i64::MAX) }
+}
+
 /// The stream configurations the suite needs, in creation order.
+///
+/// What each stream does when it reaches its `max_bytes`: CMD refuses new
+/// messages (`discard: new`): its messages are commands nobody applied yet,
+/// so dropping the oldest would lose data silently, while a refused publish
+/// is an error the publisher sees and retries. KEYFRAMES refuses too: a
+/// keyframe that does not fit fails, and the complete ones before it stay
+/// readable (dropping the oldest parts could cut the latest keyframe of a
+/// place short). CHANGES, AGGREGATES and REJECTS are logs of what happened:
+/// they drop their oldest messages (`discard: old`), as they do past their
+/// age, so a full log never stops storage; a consumer that far behind is
+/// repaired by the next keyframe.
 pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
     let s = Subjects::new(&settings.nats.prefix);
     let n = &settings.nats;
@@ -105,6 +121,7 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         storage: stream::StorageType::File,
         num_replicas: n.stream_replicas,
         duplicate_window: n.duplicate_window,
+        discard: stream::DiscardPolicy::Old,
         ..Default::default()
     };
     vec![
@@ -112,6 +129,8 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         // storage worker owning it), and an acked command is gone.
         stream::Config {
             retention: stream::RetentionPolicy::WorkQueue,
+            max_bytes: max_bytes(n.cmd_max_bytes),
+            discard: stream::DiscardPolicy::New,
             description: Some("shelfsync commands, one subject per partition".into()),
             metadata: [(
                 "shelfsync.partitions".to_string(),
@@ -126,6 +145,7 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         stream::Config {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
+            max_bytes: max_bytes(n.changes_max_bytes),
             description: Some("shelfsync changes: record before and after".into()),
             ..base(s.changes_stream(), vec![s.changes_all()])
         },
@@ -134,6 +154,8 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         stream::Config {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
+            max_bytes: max_bytes(n.keyframes_max_bytes),
+            discard: stream::DiscardPolicy::New,
             description: Some("shelfsync keyframes: consistent per-place snapshots".into()),
             // Consumers read a place's latest keyframe back with direct gets.
             allow_direct: true,
@@ -142,12 +164,14 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
         stream::Config {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
+            max_bytes: max_bytes(n.aggregates_max_bytes),
             description: Some("shelfsync aggregates: master cards and category flips".into()),
             ..base(s.aggregates_stream(), vec![s.aggregates_all()])
         },
         stream::Config {
             retention: stream::RetentionPolicy::Limits,
             max_age: n.changes_max_age,
+            max_bytes: max_bytes(n.rejects_max_bytes),
             description: Some("shelfsync rejected commands and feed items, with reasons".into()),
             ..base(s.rejects_stream(), vec![s.rejects_all()])
         },

@@ -24,10 +24,43 @@ pub struct PublishFailed {
     pub source: async_nats::jetstream::context::PublishError,
 }
 
+/// What a failed publish says about trying again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// Over the server's `max_payload` or the stream's largest message: the
+    /// same bytes can never be stored.
+    TooLarge,
+    /// JetStream answered, and refused the message (the description).
+    Refused(String),
+    /// No answer (a timeout, a lost connection, no stream listening): the
+    /// message may or may not be stored.
+    Unknown,
+}
+
 impl PublishFailed {
     /// True when the message is too large to ever succeed.
     pub fn is_too_large(&self) -> bool {
-        matches!(self.source.kind(), PublishErrorKind::MaxPayloadExceeded)
+        self.failure() == Failure::TooLarge
+    }
+
+    /// What this failure says about the message.
+    pub fn failure(&self) -> Failure {
+        use async_nats::jetstream::ErrorCode;
+        match self.source.kind() {
+            PublishErrorKind::MaxPayloadExceeded => Failure::TooLarge,
+            PublishErrorKind::Other => {
+                let refusal = std::error::Error::source(&self.source)
+                    .and_then(|e| e.downcast_ref::<async_nats::jetstream::Error>());
+                match refusal {
+                    Some(e) if e.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM => {
+                        Failure::TooLarge
+                    }
+                    Some(e) => Failure::Refused(e.to_string()),
+                    None => Failure::Unknown,
+                }
+            }
+            _ => Failure::Unknown,
+        }
     }
 }
 
@@ -46,6 +79,8 @@ pub struct Publisher {
     /// Acks received that JetStream flagged as duplicates (already stored).
     pub duplicates: u64,
     pub published: u64,
+    /// Per stream, the highest sequence an ack reported.
+    last_sequence: std::collections::HashMap<String, u64>,
 }
 
 impl Publisher {
@@ -56,7 +91,14 @@ impl Publisher {
             inflight: VecDeque::new(),
             duplicates: 0,
             published: 0,
+            last_sequence: Default::default(),
         }
+    }
+
+    /// The highest sequence of `stream` an ack of this publisher reported
+    /// (0: none yet): every message published after it lands above it.
+    pub fn last_sequence(&self, stream: &str) -> u64 {
+        self.last_sequence.get(stream).copied().unwrap_or(0)
     }
 
     /// Sends one message; returns once it is on the wire and the in-flight
@@ -106,6 +148,8 @@ impl Publisher {
                 if ack.duplicate {
                     self.duplicates += 1;
                 }
+                let last = self.last_sequence.entry(ack.stream.clone()).or_default();
+                *last = (*last).max(ack.sequence);
                 Ok(Some(ack))
             }
             Err(source) => Err(PublishFailed { subject: f.subject, msg_id: f.msg_id, source }),

@@ -84,6 +84,16 @@ impl Subjects {
     pub fn ctl_keyframe(&self) -> String {
         format!("{}.ctl.keyframe", self.prefix)
     }
+    /// Core NATS request subject: re-base partitions refused because their
+    /// command stream was replaced (RebaseRequest).
+    pub fn ctl_rebase(&self) -> String {
+        format!("{}.ctl.rebase", self.prefix)
+    }
+    /// Core NATS request subject: put outbox entries kept aside back into
+    /// their outboxes (RedriveRequest).
+    pub fn ctl_redrive(&self) -> String {
+        format!("{}.ctl.redrive", self.prefix)
+    }
     /// Core NATS request subjects of the read API.
     pub fn read(&self, what: &str) -> String {
         format!("{}.read.{what}", self.prefix)

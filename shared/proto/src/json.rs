@@ -43,7 +43,7 @@ pub fn record_to_json(record: &Record) -> Value {
 pub fn change_to_json(change: &Change) -> Value {
     let kind = ChangeKind::try_from(change.kind)
         .map_or_else(|_| Value::from(change.kind), |k| Value::from(change_kind_name(k)));
-    json!({
+    let mut v = json!({
         "kind": kind,
         "key": key_json(change.key.as_ref()),
         "before": change.before.as_ref().map_or(Value::Null, record_to_json),
@@ -51,7 +51,11 @@ pub fn change_to_json(change: &Change) -> Value {
         "changed_data_fields": field_names(&change.changed_data_fields, &product_field::NAMES),
         "changed_state_fields": field_names(&change.changed_state_fields, &STATE_FIELD_NAMES),
         "origin": change.origin.as_ref().map_or(Value::Null, origin_json),
-    })
+    });
+    if change.before_omitted {
+        v["before_omitted"] = true.into();
+    }
+    v
 }
 
 /// A keyframe marker carried by an otherwise empty `ChangeBatch`: the
@@ -388,6 +392,7 @@ mod tests {
                 import_id: "imp-1".into(),
                 published_at: 0,
             }),
+            before_omitted: false,
         };
         let v = change_to_json(&c);
         assert_eq!(v["kind"], "updated");

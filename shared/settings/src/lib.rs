@@ -1,17 +1,26 @@
 //! Typed settings shared by every shelfsync binary (DESIGN §6, §8).
 //!
-//! Layers, lowest first: built-in defaults, the TOML file given with
-//! `--config FILE`, the conventional `NATS_URL` / `REDIS_URL` variables, then
+//! Layers, lowest first: built-in defaults, the TOML files given with
+//! `--config FILE` (several, in order: a later file overrides an earlier
+//! one key by key, and replaces an array such as `[[partners]]` whole), the
+//! conventional `NATS_URL` / `REDIS_URL` variables, then
 //! `SHELFSYNC__SECTION__KEY` overrides. Every service reads the same file
-//! shape and takes the sections it needs. Owns parsing and validation only;
-//! it must not connect to anything.
+//! shape and takes the sections it needs. Owns parsing and validation only
+//! (of the push-token formats too, in `push_tokens`; the files themselves
+//! are read by the service that uses them); it must not connect to anything.
 #![forbid(unsafe_code)]
 
+mod push_tokens;
+
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize, Serializer};
+
+pub use push_tokens::{
+    MIN_PUSH_TOKEN_BYTES, PushToken, PushTokenError, parse_push_tokens_file, parse_push_tokens_list,
+};
 
 /// Why settings could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +35,7 @@ fn invalid(key: impl Into<String>, reason: impl Into<String>) -> SettingsError {
     SettingsError::Invalid { key: key.into(), reason: reason.into() }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     pub nats: NatsSettings,
@@ -42,7 +51,7 @@ pub struct Settings {
 
 /// One validation rule: `kind` picks the check, `reason` is what a hidden
 /// record's state says.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuleSettings {
     pub name: String,
@@ -57,7 +66,7 @@ pub struct RuleSettings {
     pub max_rise_pct: Option<f64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RuleKind {
     NonPositivePrice,
@@ -68,7 +77,7 @@ pub enum RuleKind {
     MissingCategory,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ValidatorSettings {
     /// Durable consumer shared by every validator replica.
@@ -110,7 +119,7 @@ impl Default for ValidatorSettings {
 }
 
 /// A place of the region directory.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PlaceRegion {
     pub brand_id: i64,
@@ -118,7 +127,7 @@ pub struct PlaceRegion {
     pub region: String,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AggregatorSettings {
     pub consumer: String,
@@ -140,7 +149,7 @@ impl Default for AggregatorSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RecommenderSettings {
     pub http_listen: String,
@@ -154,16 +163,19 @@ impl Default for RecommenderSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NatsSettings {
     /// One URL or a comma-separated list.
+    #[serde(serialize_with = "redacted_url")]
     pub url: String,
     /// Prefix of every subject and (upper-cased) of every stream name.
     pub prefix: String,
     pub stream_replicas: usize,
     pub user: Option<String>,
+    #[serde(serialize_with = "redacted")]
     pub password: Option<String>,
+    #[serde(serialize_with = "redacted")]
     pub token: Option<String>,
     /// A `.creds` file (NKey + JWT).
     pub credentials_file: Option<String>,
@@ -185,6 +197,18 @@ pub struct NatsSettings {
     pub changes_max_age: Duration,
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// Largest size of each stream, in bytes; 0: unlimited. JetStream
+    /// reserves a stream's limit out of the server's (and the account's)
+    /// file storage, so the five must fit in it together. A full CMD stream
+    /// refuses new commands (publishers see an error and retry: nothing
+    /// queued is dropped), a full KEYFRAMES stream refuses a new keyframe
+    /// (the complete ones stay); CHANGES, AGGREGATES and REJECTS drop their
+    /// oldest messages, as they do past `changes_max_age`.
+    pub cmd_max_bytes: u64,
+    pub changes_max_bytes: u64,
+    pub keyframes_max_bytes: u64,
+    pub aggregates_max_bytes: u64,
+    pub rejects_max_bytes: u64,
 }
 
 impl Default for NatsSettings {
@@ -205,6 +229,14 @@ impl Default for NatsSettings {
             duplicate_window: Duration::from_secs(120),
             changes_max_age: Duration::from_secs(7 * 24 * 3600),
             request_timeout: Duration::from_secs(10),
+            // A backlog of a few full imports of large partners; far more
+            // means storage is down, and refusing beats filling the disk
+            // that every stream shares.
+            cmd_max_bytes: 1024 * 1024 * 1024,
+            changes_max_bytes: 0,
+            keyframes_max_bytes: 0,
+            aggregates_max_bytes: 0,
+            rejects_max_bytes: 0,
         }
     }
 }
@@ -216,10 +248,11 @@ impl NatsSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisSettings {
     /// A URL; with `cluster = true`, a comma-separated list of cluster nodes.
+    #[serde(serialize_with = "redacted_url")]
     pub url: String,
     pub cluster: bool,
     /// Prefix of every Redis key.
@@ -229,6 +262,14 @@ pub struct RedisSettings {
     pub tls_ca_file: Option<String>,
     pub tls_cert_file: Option<String>,
     pub tls_key_file: Option<String>,
+    /// Storage: after each commit, wait until this many Redis replicas have
+    /// it (`WAIT`) before publishing its changes or acking its command; 0
+    /// (the default): don't wait. Standalone Redis only.
+    pub wait_replicas: usize,
+    /// How long one `WAIT` may take; storage waits again (and counts it)
+    /// until the replicas confirm.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
 }
 
 impl Default for RedisSettings {
@@ -240,6 +281,8 @@ impl Default for RedisSettings {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            wait_replicas: 0,
+            wait_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -250,7 +293,7 @@ impl RedisSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StorageSettings {
     /// Number of command partitions; fixed when the streams are created.
@@ -264,6 +307,11 @@ pub struct StorageSettings {
     /// How long a DELETE tombstone is kept before it is purged.
     #[serde(with = "humantime_serde")]
     pub tombstone_ttl: Duration,
+    /// How long a record stays absent (swept) before it is deleted (a
+    /// DELETED change; its tombstone is then purged after `tombstone_ttl`).
+    /// 0 s: absent records are kept.
+    #[serde(with = "humantime_serde")]
+    pub absent_ttl: Duration,
     /// How often expired tombstones are looked for.
     #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
@@ -312,6 +360,7 @@ impl Default for StorageSettings {
             replica: 0,
             max_record_bytes: 256 * 1024,
             tombstone_ttl: Duration::from_secs(7 * 24 * 3600),
+            absent_ttl: Duration::from_secs(30 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
             ack_wait: Duration::from_secs(30),
             retry_delay: Duration::from_millis(500),
@@ -334,7 +383,7 @@ impl StorageSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IngestSettings {
     /// HTTP listen address of the ingest service (push endpoint, health).
@@ -343,8 +392,21 @@ pub struct IngestSettings {
     pub max_item_bytes: usize,
     /// Commands per CommandBatch (at most 1000).
     pub batch_size: usize,
-    /// Largest request body accepted by the push endpoint.
+    /// Largest request body the push endpoint accepts, for partners that
+    /// set no `max_push_bytes` of their own (default 1 GiB). A larger
+    /// `Content-Length` is refused (413) before anything is read; a body
+    /// that grows past it fails the import (413, nothing swept).
     pub max_push_bytes: u64,
+    /// How long a full import waits for storage to decide its sweeps
+    /// (applied or held) before its report says "not decided yet".
+    #[serde(with = "humantime_serde")]
+    pub sweep_report_wait: Duration,
+    /// A full import holds a lease on its partner in Redis, so that two full
+    /// imports of one partner (ingest replicas, the CLI) never interleave.
+    /// The holder renews it every third of this; a holder that stops (a
+    /// crash) loses it after this long.
+    #[serde(with = "humantime_serde")]
+    pub import_lease_ttl: Duration,
 }
 
 impl Default for IngestSettings {
@@ -353,12 +415,14 @@ impl Default for IngestSettings {
             listen: "127.0.0.1:8080".into(),
             max_item_bytes: 64 * 1024,
             batch_size: 1000,
-            max_push_bytes: 4 * 1024 * 1024 * 1024,
+            max_push_bytes: 1024 * 1024 * 1024,
+            sweep_report_wait: Duration::from_secs(60),
+            import_lease_ttl: Duration::from_secs(30),
         }
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetrySettings {
     /// `tracing` env-filter directive; `RUST_LOG` wins when set.
@@ -372,14 +436,14 @@ impl Default for TelemetrySettings {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
     Json,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ImportKind {
     /// A whole dump: records of a place missing from it are swept afterwards.
@@ -388,7 +452,7 @@ pub enum ImportKind {
     Delta,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum FeedFormat {
     /// Detected from the content (NDJSON when the first line is a whole item).
@@ -398,7 +462,7 @@ pub enum FeedFormat {
     Ndjson,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PartnerSettings {
     pub name: String,
@@ -418,6 +482,70 @@ pub struct PartnerSettings {
     /// no longer reports a value). Off: missing fields are left as they are.
     #[serde(default = "yes")]
     pub clear_missing: bool,
+    /// A full import's sweep that would mark absent more than this share of
+    /// a place's live records is held instead of applied (released with
+    /// `shelfsync sweep --import ID`); so is one of a place in which no item
+    /// was accepted, or that is missing from the dump.
+    #[serde(default = "half")]
+    pub sweep_max_fraction: f64,
+    /// A file of tokens that may push this partner's feed
+    /// (`POST /v1/partners/{name}/feed` with `Authorization: Bearer <token>`):
+    /// one token a line, at least 16 bytes each; blank lines and lines
+    /// starting with `#` are ignored. Several may be valid at once, for
+    /// rotation. Ingest reads it at start (a bad file stops it) and again
+    /// whenever its modification time, size or inode changes, so a mounted
+    /// secret rotates with no restart; a file that cannot be read or parsed
+    /// later keeps the last good tokens (and is logged once).
+    #[serde(default)]
+    pub push_tokens_file: Option<PathBuf>,
+    /// The name of an environment variable holding push tokens, separated by
+    /// commas or whitespace; read once at start (the variable must be set).
+    /// With `push_tokens_file` too, both sets are valid. A partner with
+    /// neither cannot be pushed to (403): tokens never come from the config
+    /// file itself.
+    #[serde(default)]
+    pub push_tokens_env: Option<String>,
+    /// Largest push body for this partner; unset: `ingest.max_push_bytes`.
+    #[serde(default)]
+    pub max_push_bytes: Option<u64>,
+}
+
+impl PartnerSettings {
+    /// Whether the push endpoint can be used for this partner at all: some
+    /// source of tokens is configured.
+    pub fn push_enabled(&self) -> bool {
+        self.push_tokens_file.is_some() || self.push_tokens_env.is_some()
+    }
+
+    /// The largest push body accepted for this partner.
+    pub fn push_limit(&self, ingest: &IngestSettings) -> u64 {
+        self.max_push_bytes.unwrap_or(ingest.max_push_bytes)
+    }
+}
+
+fn half() -> f64 {
+    0.5
+}
+
+impl Default for PartnerSettings {
+    /// A full partner owning every field, with no source; `name` and
+    /// `brand_id` are for the caller to set.
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            brand_id: 0,
+            kind: ImportKind::Full,
+            fields: all_fields(),
+            source: None,
+            poll_interval: None,
+            format: FeedFormat::default(),
+            clear_missing: true,
+            sweep_max_fraction: half(),
+            push_tokens_file: None,
+            push_tokens_env: None,
+            max_push_bytes: None,
+        }
+    }
 }
 
 fn all_fields() -> Vec<String> {
@@ -436,14 +564,30 @@ const KNOWN_FIELDS: [&str; 8] =
 impl Settings {
     /// Loads defaults, then `file` (if any), then the process environment.
     pub fn load(file: Option<&Path>) -> Result<Self, SettingsError> {
+        Self::load_files(file.as_slice())
+    }
+
+    /// Loads defaults, then each of `files` in order, then the process
+    /// environment. A later file overrides what an earlier one sets, key by
+    /// key, so a deployment can give each service a common file plus one of
+    /// its own (`--config common.toml --config storage.toml`).
+    pub fn load_files<P: AsRef<Path>>(files: &[P]) -> Result<Self, SettingsError> {
         let env: Vec<(String, String)> = std::env::vars().collect();
-        Self::load_from(file, &env)
+        Self::load_files_from(files, &env)
     }
 
     /// As [`Settings::load`], with the environment given explicitly (tests).
     pub fn load_from(file: Option<&Path>, env: &[(String, String)]) -> Result<Self, SettingsError> {
+        Self::load_files_from(file.as_slice(), env)
+    }
+
+    /// As [`Settings::load_files`], with the environment given explicitly.
+    pub fn load_files_from<P: AsRef<Path>>(
+        files: &[P],
+        env: &[(String, String)],
+    ) -> Result<Self, SettingsError> {
         let mut builder = config::Config::builder();
-        if let Some(path) = file {
+        for path in files.iter().map(AsRef::as_ref) {
             if !path.exists() {
                 return Err(invalid("--config", format!("file {} does not exist", path.display())));
             }
@@ -460,8 +604,7 @@ impl Settings {
             let Some(path) = key.strip_prefix("SHELFSYNC__") else {
                 continue;
             };
-            let path = path.to_ascii_lowercase().replace("__", ".");
-            builder = builder.set_override(path, parse_env_value(value))?;
+            builder = builder.set_override(env_key_path(path), parse_env_value(value))?;
         }
         let settings: Settings = builder.build()?.try_deserialize()?;
         settings.validate()?;
@@ -487,6 +630,17 @@ impl Settings {
         if !(1..=5).contains(&self.nats.stream_replicas) {
             return Err(invalid("nats.stream_replicas", "must be between 1 and 5"));
         }
+        for (key, value) in [
+            ("nats.cmd_max_bytes", self.nats.cmd_max_bytes),
+            ("nats.changes_max_bytes", self.nats.changes_max_bytes),
+            ("nats.keyframes_max_bytes", self.nats.keyframes_max_bytes),
+            ("nats.aggregates_max_bytes", self.nats.aggregates_max_bytes),
+            ("nats.rejects_max_bytes", self.nats.rejects_max_bytes),
+        ] {
+            if value > i64::MAX as u64 {
+                return Err(invalid(key, "must be below 2^63"));
+            }
+        }
         if self.nats.max_inflight == 0 {
             return Err(invalid("nats.max_inflight", "must be at least 1"));
         }
@@ -507,6 +661,15 @@ impl Settings {
         }
         if !self.redis.cluster && self.redis.urls().len() > 1 {
             return Err(invalid("redis.url", "several URLs need `redis.cluster = true`"));
+        }
+        if self.redis.cluster && self.redis.wait_replicas > 0 {
+            return Err(invalid(
+                "redis.wait_replicas",
+                "is supported with a standalone Redis (and its replicas) only, not with `cluster = true`",
+            ));
+        }
+        if self.redis.wait_replicas > 0 && self.redis.wait_timeout.is_zero() {
+            return Err(invalid("redis.wait_timeout", "must be more than 0 s with wait_replicas"));
         }
         if self.redis.namespace.is_empty()
             || !self.redis.namespace.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
@@ -552,6 +715,12 @@ impl Settings {
         }
         if !(1..=1000).contains(&self.ingest.batch_size) {
             return Err(invalid("ingest.batch_size", "must be between 1 and 1000"));
+        }
+        if self.ingest.max_push_bytes == 0 {
+            return Err(invalid("ingest.max_push_bytes", "must be at least 1"));
+        }
+        if self.ingest.import_lease_ttl < Duration::from_secs(1) {
+            return Err(invalid("ingest.import_lease_ttl", "must be at least 1s"));
         }
         let mut rule_names = HashSet::new();
         for (i, r) in self.validator.rules.iter().enumerate() {
@@ -618,6 +787,26 @@ impl Settings {
             if p.poll_interval.is_some() && p.source.is_none() {
                 return Err(invalid(key("poll_interval"), "set without a `source`"));
             }
+            if !(0.0..=1.0).contains(&p.sweep_max_fraction) {
+                return Err(invalid(key("sweep_max_fraction"), "must be between 0 and 1"));
+            }
+            if p.push_tokens_file.as_ref().is_some_and(|f| f.as_os_str().is_empty()) {
+                return Err(invalid(key("push_tokens_file"), "must be a path"));
+            }
+            if let Some(var) = &p.push_tokens_env {
+                let mut chars = var.chars();
+                let ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                    && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+                if !ok {
+                    return Err(invalid(
+                        key("push_tokens_env"),
+                        "must be the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*)",
+                    ));
+                }
+            }
+            if p.max_push_bytes == Some(0) {
+                return Err(invalid(key("max_push_bytes"), "must be at least 1"));
+            }
         }
         Ok(())
     }
@@ -635,6 +824,20 @@ impl Settings {
     pub fn partner(&self, name: &str) -> Option<&PartnerSettings> {
         self.partners.iter().find(|p| p.name == name)
     }
+}
+
+/// Serializes a secret as `***` (when set): settings are printed
+/// (`shelfsync config check`) but a secret never is.
+fn redacted<S: Serializer>(secret: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match secret {
+        Some(_) => s.serialize_str("***"),
+        None => s.serialize_none(),
+    }
+}
+
+/// Serializes a URL with the password in its userinfo replaced by `***`.
+fn redacted_url<S: Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(url))
 }
 
 /// A server URL (or comma-separated list) fit for logs and errors: any
@@ -670,6 +873,25 @@ impl RedisSettings {
     pub fn url_redacted(&self) -> String {
         redact_url(&self.url)
     }
+}
+
+/// The settings path of a `SHELFSYNC__` variable (without the prefix):
+/// sections and keys are separated by `__`, and a number is an index into an
+/// array, so `PARTNERS__0__PUSH_TOKENS_ENV` sets `partners[0].push_tokens_env`
+/// (the bracket form `PARTNERS[0]__…` works too).
+fn env_key_path(name: &str) -> String {
+    let mut path = String::new();
+    for part in name.to_ascii_lowercase().split("__") {
+        if !path.is_empty() && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            path.push_str(&format!("[{part}]"));
+        } else {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(part);
+        }
+    }
+    path
 }
 
 /// Environment values are strings; give numbers and booleans their type so
@@ -711,6 +933,7 @@ mod tests {
         assert_eq!(s.nats.prefix, "shelfsync");
         assert_eq!(s.storage.partitions, 64);
         assert_eq!(s.storage.owned_partitions().len(), 64);
+        assert_eq!(s.ingest.import_lease_ttl, Duration::from_secs(30));
     }
 
     #[test]
@@ -743,6 +966,7 @@ source = "https://partner.example/feed.json"
                 ("SHELFSYNC__STORAGE__REPLICAS", "2"),
                 ("SHELFSYNC__STORAGE__REPLICA", "1"),
                 ("SHELFSYNC__REDIS__NAMESPACE", "x"),
+                ("SHELFSYNC__INGEST__IMPORT_LEASE_TTL", "2s"),
                 ("UNRELATED", "1"),
             ]),
         )
@@ -750,6 +974,7 @@ source = "https://partner.example/feed.json"
         assert_eq!(s.nats.url, "nats://b:4222");
         assert_eq!(s.nats.prefix, "demo");
         assert_eq!(s.redis.namespace, "x");
+        assert_eq!(s.ingest.import_lease_ttl, Duration::from_secs(2));
         assert_eq!(s.storage.owned_partitions(), vec![1, 3, 5, 7]);
         let p = s.partner("flowers").expect("partner");
         assert_eq!(p.kind, ImportKind::Full);
@@ -763,6 +988,64 @@ source = "https://partner.example/feed.json"
         )
         .expect("load");
         assert_eq!(s.nats.url, "nats://c:4222");
+    }
+
+    #[test]
+    fn later_files_override_earlier_ones() {
+        let dir = std::env::temp_dir().join(format!("ss-settings-layers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let common = dir.join("common.toml");
+        let own = dir.join("storage.toml");
+        let partners = dir.join("partners.toml");
+        std::fs::write(
+            &common,
+            "[nats]\nurl = \"nats://common:4222\"\nprefix = \"demo\"\n[storage]\npartitions = 8\nkeyframes_kept = 3\n",
+        )
+        .expect("write");
+        std::fs::write(&own, "[storage]\nreplicas = 4\nkeyframes_kept = 5\n").expect("write");
+        std::fs::write(
+            &partners,
+            "[[partners]]\nname = \"flowers\"\nbrand_id = 7\nkind = \"full\"\n",
+        )
+        .expect("write");
+        let s = Settings::load_files_from(
+            &[&common, &own, &partners],
+            &env(&[("SHELFSYNC__STORAGE__REPLICA", "3")]),
+        )
+        .expect("layers");
+        // Kept from the first file, overridden key by key by the second, the
+        // environment last.
+        assert_eq!(s.nats.url, "nats://common:4222");
+        assert_eq!(s.nats.prefix, "demo");
+        assert_eq!(s.storage.partitions, 8);
+        assert_eq!(s.storage.replicas, 4);
+        assert_eq!(s.storage.keyframes_kept, 5);
+        assert_eq!(s.storage.owned_partitions(), vec![3, 7]);
+        assert_eq!(s.partners.len(), 1);
+        // The order matters: the common file last puts its value back.
+        let s = Settings::load_files_from(&[&own, &common], &[]).expect("reversed");
+        assert_eq!(s.storage.keyframes_kept, 3);
+        assert_eq!(s.storage.replicas, 4);
+        // The single-file API is the one-element case.
+        let one = Settings::load_from(Some(&common), &[]).expect("one file");
+        assert_eq!(one.storage.keyframes_kept, 3);
+        assert_eq!(one.storage.replicas, 1);
+        // An array (the partners) is replaced whole, never merged item by item.
+        let more = dir.join("more-partners.toml");
+        std::fs::write(
+            &more,
+            "[[partners]]\nname = \"prices\"\nbrand_id = 8\nkind = \"delta\"\nfields = [\"price\"]\n",
+        )
+        .expect("write");
+        let s = Settings::load_files_from(&[&partners, &more], &[]).expect("partners twice");
+        let names: Vec<&str> = s.partners.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["prices"]);
+        assert_eq!(s.partners[0].fields, ["price"]);
+        // A missing file anywhere in the list is an error naming it.
+        let err = Settings::load_files_from(&[common.clone(), dir.join("nope.toml")], &[])
+            .expect_err("missing")
+            .to_string();
+        assert!(err.contains("nope.toml"), "{err}");
     }
 
     #[test]
@@ -789,11 +1072,85 @@ source = "https://partner.example/feed.json"
                 "listed twice",
             ),
             ("[nats]\nurl = \"nats://x\"\nbogus = 1", "bogus"),
+            (
+                "[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"full\"\npush_tokens_env = \"1-TOKENS\"",
+                "partners[0].push_tokens_env",
+            ),
+            (
+                "[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"full\"\nmax_push_bytes = 0",
+                "partners[0].max_push_bytes",
+            ),
+            ("[ingest]\nmax_push_bytes = 0", "ingest.max_push_bytes"),
+            // Tokens never come from the committed config itself.
+            (
+                "[[partners]]\nname = \"x\"\nbrand_id = 1\nkind = \"full\"\npush_tokens = [\"0123456789abcdef\"]",
+                "unknown field `push_tokens`",
+            ),
+            ("[ingest]\nimport_lease_ttl = \"500ms\"", "ingest.import_lease_ttl"),
         ];
         for (text, needle) in cases {
             let err = Settings::from_toml(text).expect_err(text).to_string();
             assert!(err.contains(needle), "error for {text:?} was {err:?}, expected {needle:?}");
         }
+    }
+
+    #[test]
+    fn push_keys_per_partner_with_the_ingest_default_limit() {
+        let s = Settings::from_toml(
+            r#"
+[ingest]
+max_push_bytes = 1000
+[[partners]]
+name = "a"
+brand_id = 1
+kind = "full"
+push_tokens_file = "/run/secrets/a-push"
+push_tokens_env = "A_PUSH_TOKENS"
+max_push_bytes = 10
+[[partners]]
+name = "b"
+brand_id = 1
+kind = "delta"
+"#,
+        )
+        .expect("valid");
+        let (a, b) = (s.partner("a").expect("a"), s.partner("b").expect("b"));
+        assert_eq!(a.push_tokens_file.as_deref(), Some(Path::new("/run/secrets/a-push")));
+        assert_eq!(a.push_tokens_env.as_deref(), Some("A_PUSH_TOKENS"));
+        assert!(a.push_enabled() && !b.push_enabled(), "no token source: push disabled");
+        assert_eq!((a.push_limit(&s.ingest), b.push_limit(&s.ingest)), (10, 1000));
+        assert_eq!(Settings::default().ingest.max_push_bytes, 1 << 30, "1 GiB by default");
+    }
+
+    #[test]
+    fn partner_keys_can_be_set_from_the_environment_by_index() {
+        let dir = std::env::temp_dir().join(format!("ss-settings-idx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let path = dir.join("c.toml");
+        std::fs::write(
+            &path,
+            "[[partners]]\nname = \"a\"\nbrand_id = 1\nkind = \"full\"\n\
+             [[partners]]\nname = \"b\"\nbrand_id = 2\nkind = \"delta\"\n",
+        )
+        .expect("write");
+        let s = Settings::load_from(
+            Some(&path),
+            &env(&[
+                ("SHELFSYNC__PARTNERS__1__PUSH_TOKENS_ENV", "B_TOKENS"),
+                ("SHELFSYNC__PARTNERS__1__MAX_PUSH_BYTES", "4096"),
+                ("SHELFSYNC__PARTNERS[0]__PUSH_TOKENS_FILE", "/run/secrets/a"),
+            ]),
+        )
+        .expect("load");
+        let (a, b) = (s.partner("a").expect("a"), s.partner("b").expect("b"));
+        assert_eq!((b.brand_id, b.kind), (2, ImportKind::Delta), "the rest of the entry stays");
+        assert_eq!(
+            (b.push_tokens_env.as_deref(), b.max_push_bytes),
+            (Some("B_TOKENS"), Some(4096))
+        );
+        assert_eq!(a.push_tokens_file.as_deref(), Some(Path::new("/run/secrets/a")));
+        assert_eq!(env_key_path("STORAGE__PARTITIONS"), "storage.partitions");
+        assert_eq!(env_key_path("PARTNERS__10__NAME"), "partners[10].name");
     }
 
     #[test]
@@ -817,14 +1174,17 @@ source = "https://partner.example/feed.json"
 
     #[test]
     fn the_shipped_config_files_load() {
-        for file in [
-            "config/example.toml",
-            "compose/config/shelfsync.toml",
-            "k8s/base/config/shelfsync.toml",
+        // Each deployment's files as its workloads layer them (ingest.toml, the partners, joins
+        // these once the partners' push token keys exist in the settings).
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for files in [
+            &["config/example.toml"][..],
+            &["compose/config/shelfsync.toml", "compose/config/storage.toml"],
+            &["k8s/base/config/shelfsync.toml", "k8s/base/config/storage.toml"],
         ] {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(file);
-            if let Err(e) = Settings::load_from(Some(&path), &[]) {
-                panic!("{file}: {e}");
+            let paths: Vec<_> = files.iter().map(|f| root.join(f)).collect();
+            if let Err(e) = Settings::load_files_from(&paths, &[]) {
+                panic!("{files:?}: {e}");
             }
         }
     }

@@ -37,8 +37,37 @@ pub mod names {
     pub const INGEST_ITEMS: &str = "shelfsync_ingest_items_total";
     /// Ingest: raw feed bytes read.
     pub const INGEST_BYTES: &str = "shelfsync_ingest_bytes_total";
+    /// Ingest: when the last import of a partner completed (Unix seconds; an
+    /// unchanged feed counts), label `partner`.
+    pub const INGEST_LAST_SUCCESS: &str = "shelfsync_ingest_last_success_timestamp_seconds";
+    /// Ingest: a polled partner's poll interval (seconds), label `partner`.
+    pub const INGEST_POLL_INTERVAL: &str = "shelfsync_ingest_poll_interval_seconds";
+    /// Ingest: push requests refused, labels `partner` (a configured name,
+    /// or `unknown`) and `reason`.
+    pub const INGEST_PUSH_REFUSED: &str = "shelfsync_ingest_push_refused_total";
     /// Feed kit: places reloaded after a digest mismatch.
     pub const FEED_DRIFT_REPAIRS: &str = "shelfsync_feed_drift_repairs_total";
+    /// Storage: outbox entries a retried relay found already stored (by
+    /// message id, past any dedup window) and did not publish again.
+    pub const OUTBOX_ALREADY_STORED: &str = "shelfsync_outbox_already_stored_total";
+    /// Storage: outbox entries published split or reduced because they were
+    /// refused as too large.
+    pub const OUTBOX_REDUCED: &str = "shelfsync_outbox_reduced_total";
+    /// Storage: outbox entries that could not be published at all and were
+    /// kept aside (`shelfsync dead-letters`), label `reason`.
+    pub const OUTBOX_UNPUBLISHABLE: &str = "shelfsync_outbox_unpublishable_total";
+    /// Storage: partitions refused because their command stream was replaced
+    /// (1 while refused), label `partition`.
+    pub const PARTITION_REFUSED: &str = "shelfsync_partition_refused";
+    /// Storage: sweeps held instead of applied, label `reason`.
+    pub const SWEEPS_HELD: &str = "shelfsync_sweeps_held_total";
+    /// Storage: sweeps applied (records marked absent counted apart).
+    pub const SWEEPS_APPLIED: &str = "shelfsync_sweeps_applied_total";
+    /// Storage: absent records purged after `storage.absent_ttl`.
+    pub const ABSENT_PURGED: &str = "shelfsync_absent_purged_total";
+    /// Storage: commits that waited for Redis replicas (`redis.wait_replicas`)
+    /// longer than one `redis.wait_timeout`.
+    pub const REDIS_WAIT_RETRIES: &str = "shelfsync_redis_wait_retries_total";
 }
 
 /// Bucket bounds (seconds) of every `*_seconds` histogram.
@@ -112,7 +141,30 @@ fn describe() {
     );
     describe_counter!(INGEST_ITEMS, "Valid feed items turned into commands");
     describe_counter!(INGEST_BYTES, Unit::Bytes, "Raw feed bytes read by ingest");
+    describe_gauge!(INGEST_LAST_SUCCESS, Unit::Seconds, "When a partner's last import completed (Unix time)");
+    describe_gauge!(INGEST_POLL_INTERVAL, Unit::Seconds, "A polled partner's poll interval");
+    describe_counter!(
+        INGEST_PUSH_REFUSED,
+        "Push requests refused by ingest (credentials, size), by partner and reason"
+    );
     describe_counter!(FEED_DRIFT_REPAIRS, "Places reloaded after a digest mismatch");
+    describe_counter!(
+        OUTBOX_ALREADY_STORED,
+        "Outbox entries a retried relay found already on the stream and did not publish again"
+    );
+    describe_counter!(OUTBOX_REDUCED, "Outbox entries published split or reduced (too large)");
+    describe_counter!(
+        OUTBOX_UNPUBLISHABLE,
+        "Outbox entries that could not be published and were kept aside, by reason"
+    );
+    describe_gauge!(PARTITION_REFUSED, "1 while a partition is refused: its command stream was replaced");
+    describe_counter!(SWEEPS_HELD, "Sweeps held instead of applied, by reason");
+    describe_counter!(SWEEPS_APPLIED, "Sweeps applied");
+    describe_counter!(ABSENT_PURGED, "Absent records purged after the absent TTL");
+    describe_counter!(
+        REDIS_WAIT_RETRIES,
+        "Commits whose Redis replicas did not confirm within one wait timeout"
+    );
 }
 
 /// Seconds from `published_at_us` (microseconds since the epoch) to now;

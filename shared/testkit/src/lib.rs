@@ -48,6 +48,13 @@ impl TestEnv {
         let prefix = unique_name();
         Ok(TestEnv { nats, redis, namespace: prefix.clone(), prefix })
     }
+
+    /// Servers started by the caller (a special config), with a fresh
+    /// prefix and namespace.
+    pub fn with_servers(nats: NatsServer, redis: RedisServer) -> TestEnv {
+        let prefix = unique_name();
+        TestEnv { nats, redis, namespace: prefix.clone(), prefix }
+    }
 }
 
 /// `t` + 10 random lowercase alphanumerics: valid in NATS subjects, stream names and Redis keys.

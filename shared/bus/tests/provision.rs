@@ -1,0 +1,119 @@
+//! Stream provisioning against a real nats-server: what each stream does
+//! once it reaches its size limit.
+
+use async_nats::jetstream::{self, stream::DiscardPolicy};
+use shelfsync_bus::{Subjects, provision, stream_configs};
+use shelfsync_settings::Settings;
+use shelfsync_testkit::{NatsServer, unique_name};
+
+fn settings(prefix: &str) -> Settings {
+    let mut s = Settings::default();
+    s.nats.prefix = prefix.to_string();
+    s.storage.partitions = 4;
+    s
+}
+
+async fn connect(server: &NatsServer) -> anyhow::Result<jetstream::Context> {
+    let client = async_nats::connect(format!("nats://127.0.0.1:{}", server.port())).await?;
+    Ok(jetstream::new(client))
+}
+
+/// Publishes `count` messages of `size` bytes to `subject`; returns how many
+/// JetStream acknowledged before the first refusal, and that refusal.
+async fn publish_until_refused(
+    js: &jetstream::Context,
+    subject: &str,
+    count: usize,
+    size: usize,
+) -> anyhow::Result<(usize, Option<String>)> {
+    let payload = bytes::Bytes::from(vec![b'x'; size]);
+    for i in 0..count {
+        let ack = js.publish(subject.to_string(), payload.clone()).await?;
+        if let Err(e) = ack.await {
+            return Ok((i, Some(e.to_string())));
+        }
+    }
+    Ok((count, None))
+}
+
+#[test]
+fn every_stream_has_a_size_limit_and_a_discard_policy() {
+    let mut s = settings("p");
+    s.nats.cmd_max_bytes = 1 << 20;
+    s.nats.changes_max_bytes = 2 << 20;
+    s.nats.keyframes_max_bytes = 0;
+    let by_name: std::collections::HashMap<String, (i64, DiscardPolicy)> =
+        stream_configs(&s).into_iter().map(|c| (c.name, (c.max_bytes, c.discard))).collect();
+    let subjects = Subjects::new("p");
+    assert_eq!(by_name[&subjects.cmd_stream()], (1 << 20, DiscardPolicy::New));
+    assert_eq!(by_name[&subjects.changes_stream()], (2 << 20, DiscardPolicy::Old));
+    // 0 in the settings is JetStream's "unlimited".
+    assert_eq!(by_name[&subjects.keyframes_stream()], (-1, DiscardPolicy::New));
+    assert_eq!(by_name[&subjects.aggregates_stream()].1, DiscardPolicy::Old);
+    assert_eq!(by_name[&subjects.rejects_stream()].1, DiscardPolicy::Old);
+    // The command stream is never unlimited unless asked for.
+    let d = stream_configs(&Settings::default());
+    assert_eq!(d[0].max_bytes, 1 << 30);
+}
+
+#[tokio::test]
+async fn a_full_command_stream_refuses_new_commands_and_keeps_the_queued_ones() -> anyhow::Result<()>
+{
+    let server = NatsServer::start().await?;
+    let js = connect(&server).await?;
+    let mut s = settings(&unique_name());
+    s.nats.cmd_max_bytes = 64 * 1024;
+    provision(&js, &s).await?;
+    let subjects = Subjects::new(&s.nats.prefix);
+
+    let (accepted, refused) =
+        publish_until_refused(&js, &format!("{}.cmd.0", s.nats.prefix), 200, 1024).await?;
+    let refused = refused.expect("200 KiB of commands went into a 64 KiB stream");
+    assert!(accepted > 0 && accepted < 64, "{accepted} accepted");
+    assert!(refused.to_lowercase().contains("maximum bytes"), "{refused}");
+    // Nothing queued was dropped to make room.
+    let info = js.get_stream(subjects.cmd_stream()).await?.info().await?.clone();
+    assert_eq!(info.state.first_sequence, 1);
+    assert_eq!(info.state.messages, accepted as u64);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_change_log_drops_its_oldest_messages() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let js = connect(&server).await?;
+    let mut s = settings(&unique_name());
+    s.nats.changes_max_bytes = 64 * 1024;
+    provision(&js, &s).await?;
+    let subjects = Subjects::new(&s.nats.prefix);
+
+    let subject = format!("{}.changes.7.42", s.nats.prefix);
+    let (accepted, refused) = publish_until_refused(&js, &subject, 200, 1024).await?;
+    assert_eq!((accepted, refused), (200, None), "a change log must never refuse storage");
+    let info = js.get_stream(subjects.changes_stream()).await?.info().await?.clone();
+    assert_eq!(info.state.last_sequence, 200);
+    assert!(info.state.first_sequence > 1, "the oldest changes made room");
+    assert!(info.state.bytes <= 64 * 1024);
+    Ok(())
+}
+
+#[tokio::test]
+async fn provisioning_again_applies_new_limits_to_existing_streams() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let js = connect(&server).await?;
+    let mut s = settings(&unique_name());
+    s.nats.cmd_max_bytes = 0;
+    provision(&js, &s).await?;
+    let subjects = Subjects::new(&s.nats.prefix);
+    let cmd = js.get_stream(subjects.cmd_stream()).await?.info().await?.config.clone();
+    assert_eq!(cmd.max_bytes, -1);
+
+    s.nats.cmd_max_bytes = 8 * 1024 * 1024;
+    s.nats.rejects_max_bytes = 1024 * 1024;
+    provision(&js, &s).await?;
+    let cmd = js.get_stream(subjects.cmd_stream()).await?.info().await?.config.clone();
+    assert_eq!((cmd.max_bytes, cmd.discard), (8 * 1024 * 1024, DiscardPolicy::New));
+    let rejects = js.get_stream(subjects.rejects_stream()).await?.info().await?.config.clone();
+    assert_eq!((rejects.max_bytes, rejects.discard), (1024 * 1024, DiscardPolicy::Old));
+    Ok(())
+}
