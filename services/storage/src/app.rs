@@ -17,7 +17,9 @@ use anyhow::Context;
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
-use shelfsync_proto::{KeyframeReply, KeyframeRequest};
+use shelfsync_proto::{
+    KeyframeReply, KeyframeRequest, RebaseReply, RebaseRequest, RedriveReply, RedriveRequest,
+};
 use shelfsync_settings::Settings;
 use shelfsync_telemetry::names;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -141,6 +143,15 @@ impl App {
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let max_payload = self.client.server_info().max_payload;
         let max_bytes = max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
+        let record_limit = self.settings.storage.max_record_bytes;
+        if 2 * record_limit + 16 * 1024 > max_bytes {
+            warn!(
+                max_record_bytes = record_limit, max_payload,
+                "a change of a record near storage.max_record_bytes (before and after) may not \
+                 fit in one message of this server: such a change goes out without its before \
+                 image (before_omitted); raise the server's max_payload or lower the limit"
+            );
+        }
         let owned = self.settings.storage.owned_partitions();
         info!(
             replica = self.settings.storage.replica,
@@ -184,6 +195,7 @@ impl App {
                 changed_since_freeze: Default::default(),
                 committed_through: Default::default(),
                 ahead_paused_until: Default::default(),
+                stream_identity: Default::default(),
             };
             let worker = Arc::new(worker);
             let rx = stop_rx.clone();
@@ -202,6 +214,22 @@ impl App {
             self.client.clone(),
             subjects.clone(),
             keyframer,
+            stop_rx.clone(),
+        ));
+        side.spawn(serve_rebase_requests(
+            self.client.clone(),
+            subjects.clone(),
+            self.store.clone(),
+            self.ready.clone(),
+            self.settings.storage.replica,
+            stop_rx.clone(),
+        ));
+        side.spawn(serve_redrive_requests(
+            self.client.clone(),
+            subjects.clone(),
+            self.store.clone(),
+            self.settings.storage.replica,
+            self.settings.storage.owned_partitions(),
             stop_rx.clone(),
         ));
         side.spawn(sample_gauges(
@@ -382,6 +410,107 @@ async fn serve_keyframe_requests(
                 Err(_) => warn!("keyframe abandoned before completion"),
             }
         });
+    }
+}
+
+/// Answers `RebaseRequest`s on `<prefix>.ctl.rebase`: the partitions of
+/// this replica refused because their command stream was replaced adopt the
+/// stream they found, with the applied sequence asked; their workers resume
+/// within a few seconds. Every replica replies.
+async fn serve_rebase_requests(
+    client: async_nats::Client,
+    subjects: Subjects,
+    store: Store,
+    ready: Arc<Readiness>,
+    replica: u32,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut sub = match client.subscribe(subjects.ctl_rebase()).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "cannot subscribe to rebase requests");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => return },
+            _ = stop.changed() => return,
+        };
+        let Some(reply_to) = msg.reply.clone() else { continue };
+        let mut reply = RebaseReply { replica, ..Default::default() };
+        match RebaseRequest::decode(msg.payload.as_ref()) {
+            Err(e) => reply.error = format!("bad RebaseRequest: {e}"),
+            Ok(req) => {
+                for (p, found) in ready.refused() {
+                    if !req.partitions.is_empty() && !req.partitions.contains(&p) {
+                        reply.refused.push(p);
+                        continue;
+                    }
+                    match store.rebase(p, &found, req.applied_seq).await {
+                        Ok(()) => {
+                            info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
+                            reply.rebased.push(p);
+                        }
+                        Err(e) => {
+                            reply.error = format!("partition {p}: {e}");
+                            reply.refused.push(p);
+                        }
+                    }
+                }
+            }
+        }
+        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+            warn!(error = %e, "cannot reply to a rebase request");
+        }
+    }
+}
+
+/// Answers `RedriveRequest`s on `<prefix>.ctl.redrive`: outbox entries of
+/// this replica's partitions kept aside as unpublishable go back into their
+/// outboxes; each partition's worker relays them with its next message (or
+/// at its next start).
+async fn serve_redrive_requests(
+    client: async_nats::Client,
+    subjects: Subjects,
+    store: Store,
+    replica: u32,
+    owned: Vec<u32>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut sub = match client.subscribe(subjects.ctl_redrive()).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "cannot subscribe to redrive requests");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => return },
+            _ = stop.changed() => return,
+        };
+        let Some(reply_to) = msg.reply.clone() else { continue };
+        let mut reply = RedriveReply { replica, ..Default::default() };
+        match RedriveRequest::decode(msg.payload.as_ref()) {
+            Err(e) => reply.error = format!("bad RedriveRequest: {e}"),
+            Ok(req) => {
+                for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
+                    match store.redrive(p, &req.msg_ids).await {
+                        Ok(n) => {
+                            if n > 0 {
+                                info!(partition = p, entries = n, "outbox entries put back by an operator");
+                            }
+                            reply.redriven += n;
+                        }
+                        Err(e) => reply.error = format!("partition {p}: {e}"),
+                    }
+                }
+            }
+        }
+        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+            warn!(error = %e, "cannot reply to a redrive request");
+        }
     }
 }
 

@@ -6,8 +6,12 @@ use std::collections::HashMap;
 
 use shelfsync_proto::{
     Change, ChangeKind, Command, CommandBatch, CommandKind, Origin, Record, RecordKey, Rejection,
-    Sweep,
+    Sweep, SweepOutcome,
 };
+
+pub mod sweep;
+
+use sweep::{Census, Decision};
 
 /// Identifies a record inside one brand: `(place_id, product_id)`. The brand
 /// is part of the key too; kept as the full triple to keep mistakes out.
@@ -58,6 +62,9 @@ pub struct Slot {
     pub gen_dirty: bool,
     /// Tombstone index change: Some(true) add, Some(false) remove.
     pub tombstone: Option<bool>,
+    /// Index of absent records (for their purge): Some(true) add (scored by
+    /// the record's `updated_at`, when it became absent), Some(false) remove.
+    pub absent_index: Option<bool>,
 }
 
 impl Slot {
@@ -89,6 +96,16 @@ pub struct Outcome {
     /// Commands that changed nothing but the generation, or nothing at all.
     pub unchanged: u64,
     pub applied: u64,
+    /// What became of each sweep, in order (`command_seq` left 0).
+    pub sweeps: Vec<SweepOutcome>,
+}
+
+/// What a sweep needs of its place besides the loaded slots: the stored
+/// generation column and the sweep held for the place, if any.
+#[derive(Debug, Clone, Default)]
+pub struct SweptPlace {
+    pub column: Vec<(String, GenEntry)>,
+    pub held: Option<SweepOutcome>,
 }
 
 /// Stable reasons carried by rejections.
@@ -99,6 +116,8 @@ pub mod reason {
     pub const WRONG_PARTITION: &str = "wrong_partition";
     pub const UNDECODABLE: &str = "undecodable";
     pub const FAILED: &str = "failed";
+    /// Not a command: a sweep storage held instead of applying it.
+    pub const SWEEP_HELD: &str = "sweep_held";
 }
 
 /// The records a batch needs loaded: every command key and, for sweeps, the
@@ -128,21 +147,22 @@ fn reject(cmd: &Command, reason: &str, detail: String) -> Box<Rejection> {
         key: cmd.key.clone(),
         origin: cmd.origin.clone(),
         raw: Vec::new(),
+        sweep: None,
     })
 }
 
-fn bump(prev: i64, now: i64) -> i64 {
+pub(crate) fn bump(prev: i64, now: i64) -> i64 {
     now.max(prev + 1)
 }
 
 /// Applies the commands in order, then the sweeps. `slots` holds every key of
-/// [`touched`] (missing records as empty slots); `sweep_gens` holds, per swept
-/// place, the generation column `(product_id, entry)` as stored. Slots are
-/// updated in place with dirty flags for the commit.
+/// [`touched`] (missing records as empty slots) and every sweep candidate;
+/// `swept` holds, per swept place, its stored generation column and held
+/// sweep. Slots are updated in place with dirty flags for the commit.
 pub fn apply_batch(
     batch: &CommandBatch,
     slots: &mut HashMap<Key, Slot>,
-    sweep_gens: &HashMap<(i64, i64), Vec<(String, GenEntry)>>,
+    swept: &HashMap<(i64, i64), SweptPlace>,
     limits: &Limits,
 ) -> Outcome {
     let mut out = Outcome::default();
@@ -160,7 +180,7 @@ pub fn apply_batch(
         }
     }
     for sweep in &batch.sweeps {
-        apply_sweep(sweep, slots, sweep_gens, limits, &mut out);
+        apply_sweep(sweep, slots, swept, limits, &mut out);
     }
     out
 }
@@ -291,6 +311,11 @@ fn apply_command(
         (true, false) => Some(false),
         _ => slot.tombstone,
     };
+    let absent_live = |r: &Record| r.absent && !r.deleted;
+    let was_absent = before.as_ref().is_some_and(absent_live);
+    if was_absent != absent_live(&next) {
+        slot.absent_index = Some(absent_live(&next));
+    }
     slot.record = Some(next.clone());
     slot.record_dirty = true;
     slot.gen_dirty = true; // the flags in the generation column follow the record
@@ -299,61 +324,52 @@ fn apply_command(
     Ok(Some(change(&key, before, &next, kind, slot.generation, cmd.origin.clone())))
 }
 
+/// A sweep of a whole place at once: census, decision, marks. Storage
+/// applies sweeps in bounded steps instead (`crate::sweep`), through the same
+/// decision and marking; this one is the reference the tests hold it to.
 fn apply_sweep(
     sweep: &Sweep,
     slots: &mut HashMap<Key, Slot>,
-    sweep_gens: &HashMap<(i64, i64), Vec<(String, GenEntry)>>,
+    swept: &HashMap<(i64, i64), SweptPlace>,
     limits: &Limits,
     out: &mut Outcome,
 ) {
     let place = (sweep.brand_id, sweep.place_id);
-    let origin = Some(Origin {
-        source: sweep.source.clone(),
-        import_id: sweep.import_id.clone(),
-        published_at: 0,
-    });
-    let stored = sweep_gens.get(&place).map(Vec::as_slice).unwrap_or_default();
-    let column: HashMap<&str, GenEntry> = stored.iter().map(|(p, e)| (p.as_str(), *e)).collect();
+    let stored = swept.get(&place);
+    let column: HashMap<&str, GenEntry> = stored
+        .map(|s| s.column.iter().map(|(p, e)| (p.as_str(), *e)).collect())
+        .unwrap_or_default();
     // Records written earlier in this batch may not be in the stored column.
-    let mut products: Vec<String> = stored.iter().map(|(p, _)| p.clone()).collect();
+    let mut products: Vec<String> = column.keys().map(|p| p.to_string()).collect();
     products
         .extend(slots.keys().filter(|(b, p, _)| (*b, *p) == place).map(|(_, _, id)| id.clone()));
     products.sort();
     products.dedup();
-    for product_id in products {
-        let k = (place.0, place.1, product_id);
-        // A slot touched earlier in this batch is newer than the column.
-        let entry = match slots.get(&k) {
-            Some(slot) => slot.gen_entry(),
-            None => column.get(k.2.as_str()).copied().unwrap_or_default(),
-        };
-        if entry.absent || entry.deleted || entry.generation >= sweep.generation {
-            continue;
+    // A slot touched earlier in this batch is newer than the column.
+    let entry = |slots: &HashMap<Key, Slot>, k: &Key| match slots.get(k) {
+        Some(slot) => slot.record.is_some().then(|| slot.gen_entry()),
+        None => column.get(k.2.as_str()).copied(),
+    };
+    let mut census = Census::default();
+    for id in &products {
+        if let Some(e) = entry(slots, &(place.0, place.1, id.clone())) {
+            census.count(&e, sweep.generation);
         }
-        // The store loads every candidate; a missing one is skipped, not guessed.
-        let Some(slot) = slots.get_mut(&k) else {
-            continue;
-        };
-        let Some(before) = slot.record.clone() else {
-            continue;
-        };
-        let mut next = before.clone();
-        next.absent = true;
-        next.updated_at = bump(before.updated_at, limits.now_us);
-        slot.record = Some(next.clone());
-        slot.record_dirty = true;
-        slot.gen_dirty = true;
-        let key = RecordKey::new(place.0, place.1, k.2.clone());
-        let generation = slot.generation;
-        out.changes.push(change(
-            &key,
-            Some((&before, generation)),
-            &next,
-            ChangeKind::Updated,
-            generation,
-            origin.clone(),
-        ));
     }
+    let decision = sweep::decide(sweep, census, stored.and_then(|s| s.held.as_ref()));
+    let mut marked = 0;
+    if decision == Decision::Apply {
+        for id in products {
+            let k = (place.0, place.1, id);
+            // The store loads every candidate; a missing one is skipped, not guessed.
+            let Some(slot) = slots.get_mut(&k) else { continue };
+            if let Some(c) = sweep::mark_absent(sweep, &k, slot, limits.now_us) {
+                marked += 1;
+                out.changes.push(c);
+            }
+        }
+    }
+    out.sweeps.push(sweep::outcome(sweep, decision, census, marked, limits.now_us));
 }
 
 /// Sweep candidates of a place: products whose stored generation is below
@@ -361,7 +377,7 @@ fn apply_sweep(
 pub fn sweep_candidates(sweep: &Sweep, column: &[(String, GenEntry)]) -> Vec<String> {
     column
         .iter()
-        .filter(|(_, e)| !e.absent && !e.deleted && e.generation < sweep.generation)
+        .filter(|(_, e)| sweep::is_candidate(e, sweep.generation))
         .map(|(p, _)| p.clone())
         .collect()
 }
@@ -370,7 +386,7 @@ fn with_key(r: &Record, key: &RecordKey, generation: i64) -> Record {
     Record { key: Some(key.clone()), generation, ..r.clone() }
 }
 
-fn change(
+pub(crate) fn change(
     key: &RecordKey,
     before: Option<(&Record, i64)>,
     after: &Record,
@@ -392,6 +408,7 @@ fn change(
         changed_data_fields: changed_data,
         changed_state_fields: changed_state,
         origin,
+        before_omitted: false,
     }
 }
 

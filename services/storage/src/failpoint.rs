@@ -28,11 +28,29 @@ fn armed() -> Option<&'static Armed> {
 /// Points: `before_commit`, `after_commit`, `after_outbox_publish` (published,
 /// outbox not trimmed), `after_publish` (before the ack), `after_ack`.
 pub fn hit(name: &str) {
-    if let Some(a) = armed()
-        && a.name == name
-        && a.hits.fetch_add(1, Ordering::SeqCst) + 1 == a.at
-    {
+    if reached(name) {
         eprintln!("failpoint {name} reached: aborting");
         std::process::abort();
     }
+}
+
+/// For faults that do not end the process: true the n-th time the named
+/// point is reached (`lose_relay_ack`: the relay's acks are taken as lost,
+/// after a pause of `SHELFSYNC_FAILPOINT_PAUSE_MS`, default 2000, so that
+/// the retry comes after a short dedup window).
+pub fn triggered(name: &str) -> bool {
+    if !reached(name) {
+        return false;
+    }
+    eprintln!("failpoint {name} reached");
+    let pause = std::env::var("SHELFSYNC_FAILPOINT_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    std::thread::sleep(std::time::Duration::from_millis(pause));
+    true
+}
+
+fn reached(name: &str) -> bool {
+    armed().is_some_and(|a| a.name == name && a.hits.fetch_add(1, Ordering::SeqCst) + 1 == a.at)
 }

@@ -6,7 +6,10 @@
 //! - [`store`]: Redis — key layout, batched loads, the atomic commit of
 //!   state + outbox + applied sequence, reads for other tools.
 //! - `worker`: one task per owned partition — ordered consumption, commit,
-//!   outbox relay, ack, retries and dead-lettering.
+//!   ack, retries, dead-lettering, purges; `sweep`: a message with sweeps,
+//!   applied in bounded steps.
+//! - `outbox`, `relay`: what a commit puts in the outbox, and publishing it
+//!   exactly once with no time window.
 //! - [`App`]: wiring and graceful shutdown.
 #![forbid(unsafe_code)]
 
@@ -14,9 +17,12 @@ mod app;
 pub mod apply;
 pub mod failpoint;
 pub mod keyframe;
+mod outbox;
 pub mod read;
+mod relay;
 pub mod stats;
 pub mod store;
+mod sweep;
 mod worker;
 
 pub use app::{App, shutdown_signal};

@@ -2,7 +2,9 @@
 //! a batch of records of one place, or a whole place page by page, answered
 //! from Redis. Protobuf over NATS request/reply (`<prefix>.read.get`,
 //! `.read.batch`, `.read.place`, queue group `storage-read` so any replica
-//! answers); JSON over HTTP with `data` and `state` decoded:
+//! answers), with the outcomes of sweeps and the sweeps held
+//! (`.read.sweeps`) and the outbox entries kept aside as unpublishable
+//! (`.read.dead`); JSON over HTTP with `data` and `state` decoded:
 //!
 //! - `GET  /v1/records/{brand}/{place}/{product}` → record, or 404
 //! - `POST /v1/records/{brand}/{place}` with `{"product_ids": [...]}` → `{records, missing}`
@@ -29,7 +31,10 @@ use serde::Deserialize;
 use serde_json::json;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::json::record_to_json;
-use shelfsync_proto::{ReadReply, ReadRequest, Record};
+use shelfsync_proto::{
+    DeadEntriesReply, DeadEntriesRequest, DeadEntry, ReadReply, ReadRequest, Record, SweepsReply,
+    SweepsRequest,
+};
 use shelfsync_settings::Settings;
 use tokio::sync::watch;
 use tracing::{error, warn};
@@ -150,6 +155,96 @@ impl ReadApi {
         Ok(self.store.page(self.partitions(), brand, place, after, limit).await?)
     }
 
+    /// The outcomes of an import's sweeps of some places, or every sweep
+    /// held now (see `SweepsRequest`).
+    pub async fn sweeps(&self, req: &SweepsRequest) -> Result<SweepsReply, ReadError> {
+        let mut reply = SweepsReply::default();
+        if req.import_id.is_empty() {
+            for p in 0..self.partitions() {
+                for o in self.store.held_all(p).await? {
+                    let brand = o.sweep.as_ref().map_or(0, |s| s.brand_id);
+                    if req.brand_id == 0 || brand == req.brand_id {
+                        reply.outcomes.push(o);
+                    }
+                }
+            }
+            reply.outcomes.sort_by_key(|o| o.sweep.as_ref().map(|s| (s.brand_id, s.place_id)));
+            return Ok(reply);
+        }
+        if req.place_ids.len() > self.settings.storage.read_max_batch.max(10_000) {
+            return Err(ReadError::BadRequest("too many places in one request".into()));
+        }
+        let mut by_partition: std::collections::BTreeMap<u32, Vec<(i64, i64)>> =
+            Default::default();
+        for &place in &req.place_ids {
+            let p = shelfsync_bus::partition_of(req.brand_id, place, self.partitions()).0;
+            by_partition.entry(p).or_default().push((req.brand_id, place));
+        }
+        for (p, places) in by_partition {
+            let found = self.store.sweep_outcomes(p, &req.import_id, &places).await?;
+            for ((_, place), o) in places.into_iter().zip(found) {
+                match o {
+                    Some(o) => reply.outcomes.push(o),
+                    None => reply.pending.push(place),
+                }
+            }
+        }
+        Ok(reply)
+    }
+
+    /// Outbox entries kept aside as unpublishable, the newest `limit` per
+    /// partition, payloads cut at 64 KiB, the reply bounded under the
+    /// server's payload limit.
+    pub async fn dead(&self, limit: usize) -> Result<DeadEntriesReply, ReadError> {
+        // Kept aside for being too large, entries may not fit in one reply:
+        // payloads over this are cut (the metadata stays whole), and the
+        // reply stops before the server's limit.
+        const PAYLOAD_CUT: usize = 64 * 1024;
+        const REPLY_MAX: usize = 768 * 1024;
+        let mut reply = DeadEntriesReply::default();
+        let mut size = 0;
+        for p in 0..self.partitions() {
+            for mut entry in self.store.dead_entries(p, limit).await? {
+                entry.payload.truncate(PAYLOAD_CUT);
+                size += entry.encoded_len() + 16;
+                if size > REPLY_MAX {
+                    return Ok(reply);
+                }
+                reply.entries.push(DeadEntry { partition: p, entry: Some(entry) });
+            }
+        }
+        Ok(reply)
+    }
+
+    /// The encoded reply to a request on `<prefix>.read.<what>`.
+    async fn answer_bytes(&self, what: &str, payload: &[u8]) -> Vec<u8> {
+        match what {
+            "sweeps" => match SweepsRequest::decode(payload) {
+                Ok(req) => self.sweeps(&req).await.unwrap_or_else(|e| SweepsReply {
+                    error: e.to_string(),
+                    ..Default::default()
+                }),
+                Err(e) => SweepsReply { error: format!("bad SweepsRequest: {e}"), ..Default::default() },
+            }
+            .encode_to_vec(),
+            "dead" => match DeadEntriesRequest::decode(payload) {
+                Ok(req) => {
+                    let limit = if req.limit == 0 { 100 } else { req.limit as usize };
+                    self.dead(limit).await.unwrap_or_else(|e| DeadEntriesReply {
+                        error: e.to_string(),
+                        ..Default::default()
+                    })
+                }
+                Err(e) => DeadEntriesReply {
+                    error: format!("bad DeadEntriesRequest: {e}"),
+                    ..Default::default()
+                },
+            }
+            .encode_to_vec(),
+            _ => self.answer(what, payload).await.encode_to_vec(),
+        }
+    }
+
     async fn answer(&self, what: &str, payload: &[u8]) -> ReadReply {
         let req = match ReadRequest::decode(payload) {
             Ok(r) => r,
@@ -203,17 +298,17 @@ impl ReadApi {
                     .map(|s| s.map(move |m| (what, m)))
             }
         };
-        let subs =
-            futures::future::try_join3(subscribe("get"), subscribe("batch"), subscribe("place"))
-                .await;
-        let (a, b, c) = match subs {
-            Ok(s) => s,
+        let subs = futures::future::try_join_all(
+            ["get", "batch", "place", "sweeps", "dead"].map(subscribe),
+        )
+        .await;
+        let mut all = match subs {
+            Ok(s) => futures::stream::select_all(s),
             Err(e) => {
                 error!(error = %e, "cannot subscribe to the read subjects");
                 return;
             }
         };
-        let mut all = futures::stream::select(futures::stream::select(a, b), c);
         loop {
             let (what, msg) = tokio::select! {
                 m = all.next() => match m { Some(m) => m, None => return },
@@ -223,8 +318,8 @@ impl ReadApi {
             let api = self.clone();
             let client = client.clone();
             tokio::spawn(async move {
-                let reply = api.answer(what, &msg.payload).await;
-                if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+                let reply = api.answer_bytes(what, &msg.payload).await;
+                if let Err(e) = client.publish(reply_to, reply.into()).await {
                     warn!(error = %e, "cannot send read reply");
                 }
             });

@@ -4,12 +4,15 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Ready once every owned partition's consumer is bound, until shutdown
-/// starts (`/readyz`).
+/// starts (`/readyz`); not ready while a partition is refused.
 #[derive(Debug, Default)]
 pub struct Readiness {
     want: AtomicUsize,
     bound: AtomicUsize,
     draining: AtomicBool,
+    /// Partitions refused because their command stream was replaced, with
+    /// the identity of the stream found.
+    refused: std::sync::Mutex<std::collections::BTreeMap<u32, String>>,
 }
 
 impl Readiness {
@@ -28,7 +31,20 @@ impl Readiness {
         self.draining.load(Ordering::SeqCst)
     }
     pub fn is_ready(&self) -> bool {
-        !self.is_draining() && self.bound.load(Ordering::SeqCst) >= self.want.load(Ordering::SeqCst)
+        !self.is_draining()
+            && self.bound.load(Ordering::SeqCst) >= self.want.load(Ordering::SeqCst)
+            && self.refused().is_empty()
+    }
+    /// `partition` applies nothing: its command stream is now `found`.
+    pub fn refuse(&self, partition: u32, found: String) {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(partition, found);
+    }
+    pub fn unrefuse(&self, partition: u32) {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition);
+    }
+    /// The refused partitions and the identity of the stream each found.
+    pub fn refused(&self) -> std::collections::BTreeMap<u32, String> {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -54,6 +70,8 @@ pub struct Stats {
     pub purged: AtomicU64,
     pub retries: AtomicU64,
     pub fenced: AtomicU64,
+    /// Times a partition was refused (its command stream replaced).
+    pub refused: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub keyframe_records: AtomicU64,
     /// Time keyframes gave way to late live changes, microseconds.
@@ -87,6 +105,7 @@ impl Stats {
             "purged": g(&self.purged),
             "retries": g(&self.retries),
             "fenced": g(&self.fenced),
+            "refused": g(&self.refused),
             "dead_lettered": g(&self.dead_lettered),
             "keyframe_records": g(&self.keyframe_records),
             "keyframe_place_max_us": g(&self.keyframe_place_max_us),

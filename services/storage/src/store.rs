@@ -9,8 +9,14 @@
 //! | `{ns:pN}:r:<brand>:<place>` | hash | product_id → `Record` bytes (no key, no generation) |
 //! | `{ns:pN}:g:<brand>:<place>` | hash | product_id → generation + absent/deleted flag |
 //! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
+//! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
+//! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
 //! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
+//! | `{ns:pN}:absent` | zset | `<brand>:<place>:<product_id>` of absent records, scored by when they became absent |
+//! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
+//! | `{ns:pN}:swept:<import_id>` | hash | `<brand>:<place>` → `SweepOutcome` of that import's sweep (expires after a week) |
+//! | `{ns:pN}:dead` | list | `OutboxEntry` bytes that could not be published at all (the last 1000) |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
 //! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
 //! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
@@ -26,10 +32,10 @@ use std::sync::{Arc, Mutex};
 
 use prost::Message;
 use redis::Value;
-use shelfsync_proto::{CommandBatch, OutboxEntry, Record, RecordKey};
+use shelfsync_proto::{CommandBatch, OutboxEntry, Record, RecordKey, SweepOutcome};
 use shelfsync_settings::RedisSettings;
 
-use crate::apply::{GenEntry, Key, Slot, sweep_candidates, touched};
+use crate::apply::{GenEntry, Key, Slot, touched};
 
 /// The connection type lives in `shelfsync-redis` (shared with ingest and the
 /// aggregator); re-exported so `shelfsync_storage::RedisConn` keeps working.
@@ -76,6 +82,24 @@ impl Keys {
     pub fn seq(&self) -> String {
         format!("{}:seq", self.tag)
     }
+    pub fn stream(&self) -> String {
+        format!("{}:stream", self.tag)
+    }
+    pub fn step(&self) -> String {
+        format!("{}:step", self.tag)
+    }
+    pub fn absent(&self) -> String {
+        format!("{}:absent", self.tag)
+    }
+    pub fn held(&self) -> String {
+        format!("{}:held", self.tag)
+    }
+    pub fn swept(&self, import_id: &str) -> String {
+        format!("{}:swept:{import_id}", self.tag)
+    }
+    pub fn dead(&self) -> String {
+        format!("{}:dead", self.tag)
+    }
     pub fn outbox(&self) -> String {
         format!("{}:outbox", self.tag)
     }
@@ -110,11 +134,60 @@ impl Keys {
 /// What a batch needs from Redis before it is applied.
 #[derive(Debug, Default)]
 pub struct Loaded {
-    /// Last applied command sequence of the partition (0: none).
-    pub seq: u64,
+    /// Where the partition stands (applied sequence 0: none).
+    pub at: Position,
     pub slots: HashMap<Key, Slot>,
-    pub sweep_gens: HashMap<(i64, i64), Vec<(String, GenEntry)>>,
 }
+
+/// Where a partition stands: the last command message applied whole, and
+/// how far the one after it got when it is applied in several commits (a
+/// sweep in steps; empty: none).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Position {
+    pub applied: u64,
+    pub step: String,
+}
+
+impl Position {
+    pub fn at(applied: u64) -> Self {
+        Position { applied, step: String::new() }
+    }
+}
+
+/// What a commit requires to still hold, or it is [`Commit::Fenced`]: the
+/// partition where it was read, and the command stream it counts in (empty:
+/// not checked).
+#[derive(Debug, Clone, Default)]
+pub struct Fence {
+    pub at: Position,
+    pub stream: String,
+}
+
+/// Everything one commit writes besides the position.
+#[derive(Debug, Default)]
+pub struct Writes<'a> {
+    pub slots: Option<&'a HashMap<Key, Slot>>,
+    pub outbox: &'a [OutboxEntry],
+    /// Decided sweeps: kept per import; a held one is kept for its place,
+    /// an applied one ends what was held for its place.
+    pub sweeps: &'a [SweepOutcome],
+}
+
+/// What binding a partition to its command stream found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamBinding {
+    /// The stream is the one the applied sequence counts in (or none was
+    /// recorded and this one now is).
+    Same,
+    /// The sequence counts in another stream, recorded as this identity: the
+    /// stream was replaced and its sequences restarted.
+    Replaced { recorded: String },
+}
+
+/// How long a sweep's outcome is kept for its import's report.
+const SWEPT_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+/// Entries kept in the partition's list of unpublishable outbox entries.
+const DEAD_KEPT: i64 = 1000;
 
 /// Result of the atomic commit.
 #[derive(Debug, PartialEq, Eq)]
@@ -126,7 +199,7 @@ pub enum Commit {
 }
 
 /// The interpreter of a list of writes, shared by [`COMMIT_LUA`] and
-/// [`PURGE_LUA`]. From ARGV[i] on, each write is `op key-index count
+/// the purges. From ARGV[i] on, each write is `op key-index count
 /// args...`. `CHSET` and `CHDEL` are `HSET` and `HDEL` on a place's records
 /// or generations: their first two args are the key indices of the place's
 /// frozen marker and of its frozen hash, and while the marker exists, the
@@ -160,7 +233,8 @@ local function run_ops(i)
       keep(KEYS[tonumber(ARGV[i])], KEYS[tonumber(ARGV[i + 1])], key, i + 2, i + count - 1, stride)
       op = string.sub(op, 2)
       from = i + 2
-    elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' then
+    elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
+        and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' then
       return 'unknown op ' .. op
     end
     redis.call(op, key, unpack(ARGV, from, i + count - 1))
@@ -169,23 +243,37 @@ local function run_ops(i)
 end
 "#;
 
-/// Checks the sequence read at load time, then runs every write of the batch
-/// ([`OPS_LUA`] from ARGV[3] on) and sets the new sequence, all in one atomic
-/// step. Returns 0 when fenced, else the head of the outbox (KEYS[2]).
+/// Checks that the partition stands where the caller read it (KEYS[1] the
+/// applied sequence = ARGV[1], KEYS[3] the step = ARGV[3], and — when ARGV[5]
+/// is not empty — KEYS[4] the command stream's identity = ARGV[5]), then runs
+/// every write ([`OPS_LUA`] from ARGV[6] on) and moves the partition to
+/// ARGV[2] / ARGV[4] (an empty step: none), all in one atomic step. Returns 0
+/// when fenced, else the head of the outbox (KEYS[2]).
 const COMMIT_LUA: &str = r#"
 local cur = redis.call('GET', KEYS[1]) or '0'
 if cur ~= ARGV[1] then return 0 end
-local err = run_ops(3)
+local step = redis.call('GET', KEYS[3]) or ''
+if step ~= ARGV[3] then return 0 end
+if ARGV[5] ~= '' and (redis.call('GET', KEYS[4]) or '') ~= ARGV[5] then return 0 end
+local err = run_ops(6)
 if err then return redis.error_reply('commit: ' .. err) end
 redis.call('SET', KEYS[1], ARGV[2])
+if ARGV[4] == '' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4]) end
 return redis.call('LRANGE', KEYS[2], 0, 255)
 "#;
 
-/// Runs the writes of a tombstone purge ([`OPS_LUA`]), atomically.
-const PURGE_LUA: &str = r#"
-local err = run_ops(1)
-if err then return redis.error_reply('purge: ' .. err) end
-return 1
+/// Adopts the command stream a partition's sequence counts in: ARGV[1] is
+/// its identity. Returns `adopted` when none was recorded (a new partition,
+/// or one written by a version that did not record it) or when nothing was
+/// applied yet (KEYS[2], the sequence, is 0 and KEYS[3], the step, unset:
+/// nothing can be mistaken for applied), `same`, or else the identity
+/// recorded, which differs: the stream was replaced.
+const BIND_STREAM_LUA: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return 'same' end
+local fresh = (redis.call('GET', KEYS[2]) or '0') == '0' and redis.call('EXISTS', KEYS[3]) == 0
+if not cur or fresh then redis.call('SET', KEYS[1], ARGV[1]); return 'adopted' end
+return cur
 "#;
 
 /// A value kept by the copy on write of [`OPS_LUA`]: what the field held
@@ -219,13 +307,21 @@ struct CommitOps {
 }
 
 impl CommitOps {
-    /// For [`COMMIT_LUA`]: KEYS[1] is the sequence, ARGV[1..2] the expected
-    /// and the new one.
-    fn new(seq_key: String, expected: u64, new: u64) -> Self {
+    /// For [`COMMIT_LUA`]: the fence and the position it moves to.
+    fn new(keys: &Keys, fence: &Fence, to: &Position) -> Self {
         let mut ops = Self::empty();
-        ops.key(&seq_key);
-        ops.args.push(expected.to_string().into_bytes());
-        ops.args.push(new.to_string().into_bytes());
+        for k in [keys.seq(), keys.outbox(), keys.step(), keys.stream()] {
+            ops.key(&k);
+        }
+        for a in [
+            fence.at.applied.to_string(),
+            to.applied.to_string(),
+            fence.at.step.clone(),
+            to.step.clone(),
+            fence.stream.clone(),
+        ] {
+            ops.args.push(a.into_bytes());
+        }
         ops
     }
 
@@ -327,13 +423,108 @@ type LastPeek = (usize, Vec<u8>);
 /// Values of an `HMGET`, in the order asked (`None`: no such field).
 type Column = Vec<Option<Vec<u8>>>;
 
+/// The writes of dirty slots: records, generations, the id, tombstone and
+/// absent indexes, and the place list.
+fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
+    let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let (mut tomb_add, mut tomb_rem) = (Vec::new(), Vec::new());
+    let (mut absent_add, mut absent_rem) = (Vec::new(), Vec::new());
+    for ((b, p, id), slot) in slots {
+        if slot.record_dirty
+            && let Some(r) = &slot.record
+        {
+            let stored = Record { key: None, generation: 0, ..r.clone() };
+            let v = records.entry((*b, *p)).or_default();
+            v.push(id.as_bytes().to_vec());
+            v.push(stored.encode_to_vec());
+            let v = ids.entry((*b, *p)).or_default();
+            v.push(b"0".to_vec());
+            v.push(id.as_bytes().to_vec());
+        }
+        if slot.gen_dirty {
+            let v = gens.entry((*b, *p)).or_default();
+            v.push(id.as_bytes().to_vec());
+            v.push(slot.gen_entry().encode().into_bytes());
+        }
+        let member = || format!("{b}:{p}:{id}").into_bytes();
+        let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
+        match slot.tombstone {
+            Some(true) => {
+                tomb_add.push(at.to_string().into_bytes());
+                tomb_add.push(member());
+            }
+            Some(false) => tomb_rem.push(member()),
+            None => {}
+        }
+        match slot.absent_index {
+            Some(true) => {
+                absent_add.push(at.to_string().into_bytes());
+                absent_add.push(member());
+            }
+            Some(false) => absent_rem.push(member()),
+            None => {}
+        }
+    }
+    let mut new_places = Vec::new();
+    for ((b, p), args) in records {
+        new_places.push(format!("{b}:{p}").into_bytes());
+        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
+        ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
+    }
+    for ((b, p), args) in gens {
+        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_gens(b, p));
+        ops.kept_op(&keys.gens(b, p), &marker, &frozen, args, 2);
+    }
+    for ((b, p), args) in ids {
+        ops.op("ZADD", &keys.ids(b, p), args, 2);
+    }
+    ops.op("SADD", &keys.places(), new_places, 1);
+    ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
+    ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
+    ops.op("ZADD", &keys.absent(), absent_add, 2);
+    ops.op("ZREM", &keys.absent(), absent_rem, 1);
+}
+
+/// The writes of decided sweeps: each outcome under its import (expiring),
+/// and the place's held sweep set (held) or ended (applied).
+fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
+    use crate::apply::sweep::status;
+    for o in sweeps {
+        let Some(sweep) = &o.sweep else { continue };
+        let place = format!("{}:{}", sweep.brand_id, sweep.place_id).into_bytes();
+        let bytes = o.encode_to_vec();
+        let swept = keys.swept(&sweep.import_id);
+        ops.op("HSET", &swept, vec![place.clone(), bytes.clone()], 2);
+        ops.op("PEXPIRE", &swept, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+        match o.status.as_str() {
+            status::HELD => ops.op("HSET", &keys.held(), vec![place, bytes], 2),
+            status::APPLIED => ops.op("HDEL", &keys.held(), vec![place], 1),
+            _ => {}
+        }
+    }
+}
+
+fn decode_outcome(key: &str, bytes: &[u8]) -> Result<SweepOutcome, StoreError> {
+    SweepOutcome::decode(bytes)
+        .map_err(|e| StoreError::Corrupt { key: key.to_string(), detail: e.to_string() })
+}
+
+/// `<brand>:<place>:<product_id>`, as the index zsets hold records.
+fn parse_member(m: &str) -> Option<Key> {
+    let mut parts = m.splitn(3, ':');
+    let (b, p, id) = (parts.next()?, parts.next()?, parts.next()?);
+    Some((b.parse().ok()?, p.parse().ok()?, id.to_string()))
+}
+
 /// Storage's handle on Redis.
 #[derive(Clone)]
 pub struct Store {
     conn: RedisConn,
     namespace: String,
     commit_script: redis::Script,
-    purge_script: redis::Script,
+    bind_script: redis::Script,
     trim_script: redis::Script,
     /// Per partition, how many outbox entries [`Store::outbox_peek`] last
     /// returned and the raw bytes of the last one, so that
@@ -350,7 +541,7 @@ impl Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
             commit_script: redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}")),
-            purge_script: redis::Script::new(&format!("{OPS_LUA}{PURGE_LUA}")),
+            bind_script: redis::Script::new(BIND_STREAM_LUA),
             trim_script: redis::Script::new(TRIM_LUA),
             peeked: Arc::default(),
             read_with_write: Arc::default(),
@@ -365,34 +556,32 @@ impl Store {
         self.conn.clone()
     }
 
-    /// Reads the sequence, every record the batch touches (one HMGET per
-    /// place for records and one for generations) and, for sweeps, the
-    /// generation column of the place plus the records it may mark absent.
+    /// Reads where the partition stands and every record the batch's
+    /// commands touch: one HMGET per place for records and one for
+    /// generations. Sweeps are not loaded here (see `crate::sweep`).
     pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
-        let (touched_keys, sweep_places) = touched(batch);
+        let (touched_keys, _) = touched(batch);
         let mut by_place: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
         for (b, p, id) in touched_keys {
             by_place.entry((b, p)).or_default().push(id);
         }
         let mut pipe = redis::pipe();
-        pipe.get(keys.seq());
+        pipe.get(keys.seq()).get(keys.step());
         for ((b, p), ids) in &by_place {
             pipe.cmd("HMGET").arg(keys.records(*b, *p)).arg(ids);
             pipe.cmd("HMGET").arg(keys.gens(*b, *p)).arg(ids);
         }
-        for (b, p) in &sweep_places {
-            pipe.cmd("HGETALL").arg(keys.gens(*b, *p));
-        }
         let mut conn = self.conn.clone();
         let mut values: std::vec::IntoIter<Value> =
             pipe.query_async::<Vec<Value>>(&mut conn).await?.into_iter();
-
-        let mut loaded = Loaded {
-            seq: redis::from_redis_value::<Option<u64>>(values.next().unwrap_or(Value::Nil))?
-                .unwrap_or(0),
-            ..Default::default()
-        };
+        let mut loaded = Loaded::default();
+        loaded.at.applied =
+            redis::from_redis_value::<Option<u64>>(values.next().unwrap_or(Value::Nil))?
+                .unwrap_or(0);
+        loaded.at.step =
+            redis::from_redis_value::<Option<String>>(values.next().unwrap_or(Value::Nil))?
+                .unwrap_or_default();
         for ((b, p), ids) in by_place {
             let recs: Vec<Option<Vec<u8>>> =
                 redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
@@ -403,52 +592,166 @@ impl Store {
                 loaded.slots.insert((b, p, id), slot);
             }
         }
-        let mut missing: BTreeMap<(i64, i64), Vec<(String, GenEntry)>> = BTreeMap::new();
-        for (b, p) in sweep_places {
-            let column: Vec<(Vec<u8>, Vec<u8>)> =
-                redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
-            let mut parsed = Vec::with_capacity(column.len());
-            for (id, raw) in column {
-                let id = String::from_utf8(id).map_err(|e| StoreError::Corrupt {
-                    key: keys.gens(b, p),
-                    detail: e.to_string(),
-                })?;
-                let entry = GenEntry::decode(&raw).ok_or_else(|| StoreError::Corrupt {
-                    key: keys.gens(b, p),
-                    detail: format!("bad generation entry for {id}"),
-                })?;
-                parsed.push((id, entry));
-            }
-            // Only the generation is known for candidates; fetch their records.
-            for sweep in batch.sweeps.iter().filter(|s| (s.brand_id, s.place_id) == (b, p)) {
-                let entries: HashMap<&str, GenEntry> =
-                    parsed.iter().map(|(id, e)| (id.as_str(), *e)).collect();
-                for id in sweep_candidates(sweep, &parsed) {
-                    if !loaded.slots.contains_key(&(b, p, id.clone())) {
-                        let e = entries.get(id.as_str()).copied().unwrap_or_default();
-                        missing.entry((b, p)).or_default().push((id, e));
-                    }
-                }
-            }
-            loaded.sweep_gens.insert((b, p), parsed);
-        }
-        if !missing.is_empty() {
-            let mut pipe = redis::pipe();
-            for ((b, p), ids) in &missing {
-                let names: Vec<&str> = ids.iter().map(|(id, _)| id.as_str()).collect();
-                pipe.cmd("HMGET").arg(keys.records(*b, *p)).arg(names);
-            }
-            let values: Vec<Value> = pipe.query_async(&mut conn).await?;
-            for (((b, p), ids), value) in missing.into_iter().zip(values) {
-                let recs: Vec<Option<Vec<u8>>> = redis::from_redis_value(value)?;
-                for ((id, entry), rec) in ids.into_iter().zip(recs) {
-                    let mut slot = self.slot(&keys, b, p, &id, rec.as_deref(), None)?;
-                    slot.generation = entry.generation;
-                    loaded.slots.insert((b, p, id), slot);
-                }
-            }
-        }
         Ok(loaded)
+    }
+
+    /// Where the partition stands.
+    pub async fn position(&self, partition: u32) -> Result<Position, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let (applied, step): (Option<u64>, Option<String>) =
+            redis::pipe().get(keys.seq()).get(keys.step()).query_async(&mut conn).await?;
+        Ok(Position { applied: applied.unwrap_or(0), step: step.unwrap_or_default() })
+    }
+
+    /// Some records of one place with their generations, as slots.
+    pub async fn load_place(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        ids: &[String],
+    ) -> Result<HashMap<Key, Slot>, StoreError> {
+        let mut out = HashMap::with_capacity(ids.len());
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let (recs, gens): (Column, Column) = redis::pipe()
+            .cmd("HMGET")
+            .arg(keys.records(brand_id, place_id))
+            .arg(ids)
+            .cmd("HMGET")
+            .arg(keys.gens(brand_id, place_id))
+            .arg(ids)
+            .query_async(&mut conn)
+            .await?;
+        for ((id, rec), generation) in ids.iter().zip(recs).zip(gens) {
+            let slot =
+                self.slot(&keys, brand_id, place_id, id, rec.as_deref(), generation.as_deref())?;
+            out.insert((brand_id, place_id, id.clone()), slot);
+        }
+        Ok(out)
+    }
+
+    /// One HSCAN step over a place's generation column: up to about `count`
+    /// entries and the next cursor (0: done). An entry may come twice.
+    pub async fn scan_gens(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<(String, GenEntry)>), StoreError> {
+        let key = self.keys(partition).gens(brand_id, place_id);
+        let mut conn = self.conn.clone();
+        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
+            .arg(&key)
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut conn)
+            .await?;
+        let mut out = Vec::with_capacity(flat.len() / 2);
+        for pair in flat.chunks_exact(2) {
+            let id = String::from_utf8(pair[0].clone())
+                .map_err(|e| StoreError::Corrupt { key: key.clone(), detail: e.to_string() })?;
+            let entry = GenEntry::decode(&pair[1]).ok_or_else(|| StoreError::Corrupt {
+                key: key.clone(),
+                detail: format!("bad generation entry for {id}"),
+            })?;
+            out.push((id, entry));
+        }
+        Ok((next, out))
+    }
+
+    /// The sweep held for a place, if any.
+    pub async fn held(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+    ) -> Result<Option<SweepOutcome>, StoreError> {
+        let key = self.keys(partition).held();
+        let mut conn = self.conn.clone();
+        let raw: Option<Vec<u8>> =
+            redis::cmd("HGET").arg(&key).arg(format!("{brand_id}:{place_id}")).query_async(&mut conn).await?;
+        raw.map(|b| decode_outcome(&key, &b)).transpose()
+    }
+
+    /// Every sweep held in a partition.
+    pub async fn held_all(&self, partition: u32) -> Result<Vec<SweepOutcome>, StoreError> {
+        let key = self.keys(partition).held();
+        let mut conn = self.conn.clone();
+        let raw: Vec<Vec<u8>> = redis::cmd("HVALS").arg(&key).query_async(&mut conn).await?;
+        raw.iter().map(|b| decode_outcome(&key, b)).collect()
+    }
+
+    /// The outcomes of an import's sweeps of some places of a partition
+    /// (`None`: not decided yet, or expired).
+    pub async fn sweep_outcomes(
+        &self,
+        partition: u32,
+        import_id: &str,
+        places: &[(i64, i64)],
+    ) -> Result<Vec<Option<SweepOutcome>>, StoreError> {
+        if places.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = self.keys(partition).swept(import_id);
+        let fields: Vec<String> = places.iter().map(|(b, p)| format!("{b}:{p}")).collect();
+        let mut conn = self.conn.clone();
+        let raw: Column = redis::cmd("HMGET").arg(&key).arg(&fields).query_async(&mut conn).await?;
+        raw.into_iter().map(|b| b.map(|b| decode_outcome(&key, &b)).transpose()).collect()
+    }
+
+    /// Records the command stream the partition's sequence counts in, or
+    /// says that it counts in another one.
+    pub async fn bind_stream(
+        &self,
+        partition: u32,
+        identity: &str,
+    ) -> Result<StreamBinding, StoreError> {
+        let mut conn = self.conn.clone();
+        let keys = self.keys(partition);
+        let answer: String = self
+            .bind_script
+            .key(keys.stream())
+            .key(keys.seq())
+            .key(keys.step())
+            .arg(identity)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(match answer.as_str() {
+            "adopted" | "same" => StreamBinding::Same,
+            _ => StreamBinding::Replaced { recorded: answer },
+        })
+    }
+
+    /// An operator's re-base: the partition's sequence now counts in the
+    /// stream `identity`, with every message up to `applied` taken as
+    /// applied. A message half applied in steps starts over.
+    pub async fn rebase(
+        &self,
+        partition: u32,
+        identity: &str,
+        applied: u64,
+    ) -> Result<(), StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let () = redis::pipe()
+            .atomic()
+            .set(keys.stream(), identity)
+            .ignore()
+            .set(keys.seq(), applied)
+            .ignore()
+            .del(keys.step())
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
     }
 
     fn slot(
@@ -471,69 +774,28 @@ impl Store {
         Ok(Slot { record, generation, ..Default::default() })
     }
 
-    /// Writes the dirty slots, the outbox entries and the new sequence in one
-    /// atomic step, if the partition's sequence is still `expected_seq`.
+    /// Writes the dirty slots, the outbox entries, the decided sweeps and the
+    /// new position in one atomic step, if the partition still stands where
+    /// `fence` says.
     pub async fn commit(
         &self,
         partition: u32,
-        expected_seq: u64,
-        new_seq: u64,
-        slots: &HashMap<Key, Slot>,
-        outbox: &[OutboxEntry],
+        fence: &Fence,
+        to: &Position,
+        writes: &Writes<'_>,
     ) -> Result<Commit, StoreError> {
         let keys = self.keys(partition);
-        let mut ops = CommitOps::new(keys.seq(), expected_seq, new_seq);
-        ops.key(&keys.outbox());
-        let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-        let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-        let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-        let mut tomb_add = Vec::new();
-        let mut tomb_rem = Vec::new();
-        for ((b, p, id), slot) in slots {
-            if slot.record_dirty
-                && let Some(r) = &slot.record
-            {
-                let stored = Record { key: None, generation: 0, ..r.clone() };
-                let v = records.entry((*b, *p)).or_default();
-                v.push(id.as_bytes().to_vec());
-                v.push(stored.encode_to_vec());
-                let v = ids.entry((*b, *p)).or_default();
-                v.push(b"0".to_vec());
-                v.push(id.as_bytes().to_vec());
-            }
-            if slot.gen_dirty {
-                let v = gens.entry((*b, *p)).or_default();
-                v.push(id.as_bytes().to_vec());
-                v.push(slot.gen_entry().encode().into_bytes());
-            }
-            match slot.tombstone {
-                Some(true) => {
-                    let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
-                    tomb_add.push(at.to_string().into_bytes());
-                    tomb_add.push(format!("{b}:{p}:{id}").into_bytes());
-                }
-                Some(false) => tomb_rem.push(format!("{b}:{p}:{id}").into_bytes()),
-                None => {}
-            }
+        let mut ops = CommitOps::new(&keys, fence, to);
+        if let Some(slots) = writes.slots {
+            slot_ops(&keys, &mut ops, slots);
         }
-        let mut new_places = Vec::new();
-        for ((b, p), args) in records {
-            new_places.push(format!("{b}:{p}").into_bytes());
-            let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
-            ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
-        }
-        for ((b, p), args) in gens {
-            let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_gens(b, p));
-            ops.kept_op(&keys.gens(b, p), &marker, &frozen, args, 2);
-        }
-        for ((b, p), args) in ids {
-            ops.op("ZADD", &keys.ids(b, p), args, 2);
-        }
-        ops.op("SADD", &keys.places(), new_places, 1);
-        ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
-        ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
-        ops.op("RPUSH", &keys.outbox(), outbox.iter().map(Message::encode_to_vec).collect(), 1);
-
+        sweep_ops(&keys, &mut ops, writes.sweeps);
+        ops.op(
+            "RPUSH",
+            &keys.outbox(),
+            writes.outbox.iter().map(Message::encode_to_vec).collect(),
+            1,
+        );
         let mut conn = self.conn.clone();
         match ops.invoke(&self.commit_script, &mut conn).await? {
             Value::Int(0) => Ok(Commit::Fenced),
@@ -556,6 +818,17 @@ impl Store {
             .unwrap_or_else(|e| e.into_inner())
             .insert(partition, (now, raw));
         Ok(())
+    }
+
+    /// `WAIT n timeout`: how many replicas have every write made on this
+    /// connection so far (every partition of this process shares it).
+    pub async fn wait_replicas(
+        &self,
+        n: usize,
+        timeout: std::time::Duration,
+    ) -> Result<usize, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64).query_async(&mut conn).await?)
     }
 
     /// The last applied command sequence of a partition.
@@ -645,42 +918,28 @@ impl Store {
         Ok(redis::cmd("LLEN").arg(self.keys(partition).outbox()).query_async(&mut conn).await?)
     }
 
-    /// Purges up to `limit` tombstones deleted before `cutoff_us`. Runs in
-    /// the partition's worker between batches, so it cannot race a command.
+    /// Purges up to `limit` tombstones deleted before `cutoff_us`, fenced
+    /// like a commit (the partition must still stand at `fence`; nothing
+    /// moves it). Runs in the partition's worker between messages.
     pub async fn purge_tombstones(
         &self,
         partition: u32,
+        fence: &Fence,
         cutoff_us: i64,
         limit: usize,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Option<usize>, StoreError> {
         let keys = self.keys(partition);
-        let mut conn = self.conn.clone();
-        let members: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-            .arg(keys.tombstones())
-            .arg("-inf")
-            .arg(cutoff_us)
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit)
-            .query_async(&mut conn)
-            .await?;
+        let members = self.due(&keys.tombstones(), cutoff_us, limit).await?;
         if members.is_empty() {
-            return Ok(0);
+            return Ok(Some(0));
         }
         // One HDEL per place and hash, keeping frozen values (a keyframe may
         // have the place frozen), all in one atomic step.
         let mut by_place: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-        for m in &members {
-            let mut parts = m.splitn(3, ':');
-            let (Some(b), Some(p), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
-                continue;
-            };
-            let (Ok(b), Ok(p)) = (b.parse::<i64>(), p.parse::<i64>()) else {
-                continue;
-            };
+        for (b, p, id) in members.iter().filter_map(|m| parse_member(m)) {
             by_place.entry((b, p)).or_default().push(id.as_bytes().to_vec());
         }
-        let mut ops = CommitOps::empty();
+        let mut ops = CommitOps::new(&keys, fence, &fence.at);
         for ((b, p), ids) in by_place {
             let marker = keys.frozen_marker(b, p);
             ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids.clone(), 1);
@@ -689,8 +948,105 @@ impl Store {
         }
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);
-        ops.invoke(&self.purge_script, &mut conn).await?;
-        Ok(members.len())
+        let mut conn = self.conn.clone();
+        match ops.invoke(&self.commit_script, &mut conn).await? {
+            Value::Int(0) => Ok(None),
+            head => {
+                self.keep_head(partition, head)?;
+                Ok(Some(members.len()))
+            }
+        }
+    }
+
+    /// Up to `limit` absent records that became absent before `cutoff_us`.
+    pub async fn absent_due(
+        &self,
+        partition: u32,
+        cutoff_us: i64,
+        limit: usize,
+    ) -> Result<Vec<Key>, StoreError> {
+        let members = self.due(&self.keys(partition).absent(), cutoff_us, limit).await?;
+        Ok(members.iter().filter_map(|m| parse_member(m)).collect())
+    }
+
+    /// Members of an index zset scored at or below `cutoff`, oldest first.
+    async fn due(&self, key: &str, cutoff: i64, limit: usize) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("ZRANGEBYSCORE")
+            .arg(key)
+            .arg("-inf")
+            .arg(cutoff)
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut conn)
+            .await?)
+    }
+
+    /// The newest `limit` outbox entries kept aside as unpublishable.
+    pub async fn dead_entries(
+        &self,
+        partition: u32,
+        limit: usize,
+    ) -> Result<Vec<OutboxEntry>, StoreError> {
+        let key = self.keys(partition).dead();
+        let mut conn = self.conn.clone();
+        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+            .arg(&key)
+            .arg(-(limit.max(1) as i64))
+            .arg(-1)
+            .query_async(&mut conn)
+            .await?;
+        raw.iter()
+            .map(|b| {
+                OutboxEntry::decode(b.as_slice())
+                    .map_err(|e| StoreError::Corrupt { key: key.clone(), detail: e.to_string() })
+            })
+            .collect()
+    }
+
+    /// Moves outbox entries kept aside back to the tail of the partition's
+    /// outbox (all of them, or those with these message ids), in one
+    /// atomic step; returns how many.
+    pub async fn redrive(&self, partition: u32, msg_ids: &[String]) -> Result<u64, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let raw: Vec<Vec<u8>> =
+            redis::cmd("LRANGE").arg(keys.dead()).arg(0).arg(-1).query_async(&mut conn).await?;
+        let chosen: Vec<Vec<u8>> = raw
+            .into_iter()
+            .filter(|b| {
+                msg_ids.is_empty()
+                    || OutboxEntry::decode(b.as_slice()).is_ok_and(|e| msg_ids.contains(&e.msg_id))
+            })
+            .collect();
+        if chosen.is_empty() {
+            return Ok(0);
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for b in &chosen {
+            pipe.cmd("LREM").arg(keys.dead()).arg(1).arg(b.as_slice()).ignore();
+            pipe.cmd("RPUSH").arg(keys.outbox()).arg(b.as_slice()).ignore();
+        }
+        let () = pipe.query_async(&mut conn).await?;
+        Ok(chosen.len() as u64)
+    }
+
+    /// Keeps an outbox entry that can never be published (for an operator
+    /// to look at), bounded to the last [`DEAD_KEPT`].
+    pub async fn outbox_bury(&self, partition: u32, entry: &OutboxEntry) -> Result<(), StoreError> {
+        let key = self.keys(partition).dead();
+        let mut conn = self.conn.clone();
+        let () = redis::pipe()
+            .atomic()
+            .rpush(&key, entry.encode_to_vec())
+            .ignore()
+            .ltrim(&key, -DEAD_KEPT as isize, -1)
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
     }
 
     /// One record as storage holds it (key and generation filled in), or

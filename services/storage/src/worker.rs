@@ -8,8 +8,15 @@
 //! A crash before the commit changes nothing (the message is redelivered); a
 //! crash after it leaves the outbox to be relayed at restart and the message
 //! to be skipped as already applied (its sequence is at or below the stored
-//! one); a re-published outbox entry is dropped by JetStream's duplicate
-//! window (deterministic `Nats-Msg-Id`).
+//! one); an outbox entry relayed again is not stored twice, however late
+//! (`crate::relay`). A message with sweeps is applied in bounded steps
+//! (`crate::sweep`).
+//!
+//! The applied sequence counts in one command stream: the partition records
+//! the stream's identity (name and creation time) and refuses to go on when
+//! the stream it finds is another one (deleted and created again, its
+//! sequences restarted) — one clear error, `shelfsync_partition_refused`,
+//! not ready — until an operator re-bases it (`shelfsync rebase`).
 //!
 //! When more messages of the partition wait behind the one delivered (the
 //! delivery's `pending`), the worker reads up to `storage.read_ahead` of them
@@ -29,7 +36,7 @@
 //! (`storage.relay`) under it, so the changes continue the import's trace
 //! even when they are relayed after a restart.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -39,22 +46,19 @@ use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::digest::Digest;
 use shelfsync_bus::{Partition, Publisher, Subjects};
-use shelfsync_proto::{
-    Change, ChangeBatch, CommandBatch, OutboxEntry, Rejection, RejectionBatch, msg_type,
-};
+use shelfsync_proto::{CommandBatch, Command, CommandKind, Origin, Rejection};
 use shelfsync_settings::Settings;
 use shelfsync_telemetry::names;
 use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
-use tracing::{Instrument, debug, error, warn};
+use tracing::{Instrument, debug, error, info, warn};
 
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
 use crate::keyframe::{Frozen, KeyframeIo, KeyframeJob, KeyframeLimits};
+use crate::outbox::{Outbox, TraceParts};
+use crate::relay::Relay;
 use crate::stats::{Readiness, Stats};
-use crate::store::{Commit, Store, StoreError};
-
-/// Outbox entries relayed per round trip (what a commit reads back).
-const RELAY_CHUNK: usize = crate::store::OUTBOX_PEEK;
+use crate::store::{Commit, Fence, Position, Store, StoreError, StreamBinding, Writes};
 /// A non-transient failure is retried this many deliveries, then the batch
 /// is dead-lettered so that it cannot block its partition.
 const MAX_FAILED_DELIVERIES: u64 = 5;
@@ -74,6 +78,10 @@ const HANDBACK_WAIT: Duration = Duration::from_millis(100);
 const AHEAD_COMMANDS: usize = 1000;
 /// How long reading ahead pauses after a direct get failed.
 const AHEAD_PAUSE: Duration = Duration::from_secs(60);
+/// How often a refused partition looks whether an operator re-based it.
+const REFUSED_POLL: Duration = Duration::from_secs(2);
+/// Absent records purged per round.
+const PURGE_BATCH: usize = 1000;
 
 pub struct Worker {
     pub partition: Partition,
@@ -95,13 +103,8 @@ pub struct Worker {
     pub committed_through: AtomicU64,
     /// Reading ahead failed (no permission, a slow server): paused until then.
     pub ahead_paused_until: std::sync::Mutex<Option<Instant>>,
-}
-
-/// W3C trace context kept with outbox entries.
-#[derive(Debug, Clone, Default)]
-struct TraceParts {
-    traceparent: String,
-    tracestate: String,
+    /// Identity of the command stream this worker is bound to (`Fence.stream`).
+    pub stream_identity: std::sync::Mutex<String>,
 }
 
 /// One place waiting for its keyframe in this worker.
@@ -127,19 +130,36 @@ struct InHand {
     span: tracing::Span,
 }
 
-enum Handled {
+pub(crate) enum Handled {
     Applied,
     Skipped,
 }
 
+/// Why a command message was not applied this time (it is retried).
 #[derive(Debug, thiserror::Error)]
-enum HandleError {
+pub(crate) enum HandleError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("outbox relay: {0}")]
-    Relay(String),
-    #[error("message without JetStream metadata: {0}")]
-    NoInfo(String),
+    Relay(#[from] crate::relay::RelayError),
+    #[error("the partition moved under this worker (another writer, or an operator's re-base)")]
+    Fenced,
+    #[error("message {seq} arrived while an earlier message is half applied ({step})")]
+    StepOfAnother { seq: u64, step: String },
+    #[error("stopping between two steps of a message (the next owner resumes it)")]
+    Stopping,
+}
+
+impl HandleError {
+    fn is_transient(&self) -> bool {
+        match self {
+            HandleError::Store(e) => e.is_transient(),
+            HandleError::Relay(_)
+            | HandleError::Fenced
+            | HandleError::StepOfAnother { .. }
+            | HandleError::Stopping => true,
+        }
+    }
 }
 
 impl Worker {
@@ -179,20 +199,61 @@ impl Worker {
 
     /// Binds the partition's consumer and starts pulling, retrying until it
     /// works: many consumers created at once (R3, a busy cluster) can time
-    /// out, and one slow answer must not stop the replica. `None`: shutdown.
+    /// out, and one slow answer must not stop the replica. A command stream
+    /// other than the one the partition's sequence counts in is refused until
+    /// an operator re-bases the partition. `None`: shutdown.
     async fn bind(
         &self,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Option<(jetstream::stream::Stream, pull::Stream)> {
         let mut delay = Duration::from_millis(500);
+        let mut refused_logged = false;
         loop {
             let bound = async {
                 let (stream, consumer) = self.consumer().await?;
+                let identity = stream_identity(&stream);
+                match self.store.bind_stream(self.partition.0, &identity).await? {
+                    StreamBinding::Same => {}
+                    StreamBinding::Replaced { recorded } => {
+                        return Ok(Err((identity, recorded)));
+                    }
+                }
                 let messages = shelfsync_bus::pull_messages(&consumer).await?;
-                anyhow::Ok((stream, messages))
+                anyhow::Ok(Ok((stream, messages, identity)))
             };
             match bound.await {
-                Ok(b) => return Some(b),
+                Ok(Ok((stream, messages, identity))) => {
+                    if refused_logged {
+                        info!(partition = %self.partition, stream = %identity, "partition re-based; resuming");
+                    }
+                    metrics::gauge!(names::PARTITION_REFUSED, "partition" => self.partition.to_string())
+                        .set(0.0);
+                    self.ready.unrefuse(self.partition.0);
+                    *self.stream_identity.lock().unwrap_or_else(|e| e.into_inner()) = identity;
+                    // Sequences may count in a new stream now: nothing is
+                    // taken as committed without asking Redis.
+                    self.committed_through.store(0, Ordering::Relaxed);
+                    return Some((stream, messages));
+                }
+                Ok(Err((found, recorded))) => {
+                    if !refused_logged {
+                        self.stats.add(&self.stats.refused, 1);
+                        error!(
+                            partition = %self.partition, recorded = %recorded, found = %found,
+                            "the command stream was replaced (its sequences restarted): this \
+                             partition applies nothing until an operator re-bases it \
+                             (`shelfsync rebase`); nothing is acked or dropped meanwhile"
+                        );
+                        refused_logged = true;
+                    }
+                    metrics::gauge!(names::PARTITION_REFUSED, "partition" => self.partition.to_string())
+                        .set(1.0);
+                    self.ready.refuse(self.partition.0, found);
+                    tokio::select! {
+                        _ = stopped(shutdown) => return None,
+                        _ = tokio::time::sleep(REFUSED_POLL) => {}
+                    }
+                }
                 Err(e) => {
                     warn!(
                         partition = %self.partition, retry_in = ?delay, error = format!("{e:#}"),
@@ -206,6 +267,11 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The identity of the command stream this worker is bound to.
+    pub(crate) fn stream_identity(&self) -> String {
+        self.stream_identity.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Whether a pull error means the consumer no longer exists (asked of
@@ -234,13 +300,24 @@ impl Worker {
         mut shutdown: watch::Receiver<bool>,
         mut jobs: mpsc::Receiver<KeyframeJob>,
     ) -> anyhow::Result<()> {
-        let Some((stream, mut messages)) = self.bind(&mut shutdown).await else { return Ok(()) };
-        let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
-        // Whatever a previous owner committed but did not publish goes first.
+        let mut relay = Relay::start(
+            self.partition,
+            self.store.clone(),
+            self.js.clone(),
+            self.subjects.clone(),
+            self.settings.nats.max_inflight,
+            self.stats.clone(),
+        )
+        .await;
+        // Whatever a previous owner committed but did not publish goes
+        // first, also while the partition is refused (it is committed work).
         {
             let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
-            self.relay_until_done(&mut publisher, &mut shutdown).instrument(span).await;
+            self.relay_until_done(&mut relay, &mut shutdown).instrument(span).await;
         }
+        let Some((stream, mut messages)) = self.bind(&mut shutdown).await else { return Ok(()) };
+        // Keyframe markers.
+        let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
         // For reading ahead (direct gets on the command stream).
         let stream = (stream.cached_info().config.allow_direct
             && self.settings.storage.read_ahead > 0)
@@ -279,7 +356,7 @@ impl Worker {
                             continue;
                         }
                     };
-                    self.process(msg, stream.as_ref(), &mut publisher, &mut shutdown).await;
+                    self.process(msg, stream.as_ref(), &mut relay, &mut shutdown).await;
                 }
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
                 published = async { (&mut in_hand.as_mut().expect("guarded").task).await },
@@ -295,7 +372,7 @@ impl Worker {
                         in_hand = self.start_snapshot(s, permit).await;
                     }
                 }
-                _ = purge.tick() => self.purge().await,
+                _ = purge.tick() => self.purge(&mut relay, &mut shutdown).await,
             }
         }
         // A keyframe on its way is finished, marker included: a reader would
@@ -428,7 +505,7 @@ impl Worker {
     }
 
     /// Notes the records of the frozen place that a commit changed.
-    fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
+    pub(crate) fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
         let mut tracked = self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(((b, p), ids)) = tracked.as_mut() {
             for ((kb, kp, id), slot) in slots {
@@ -467,7 +544,7 @@ impl Worker {
         &self,
         msg: jetstream::Message,
         stream: Option<&jetstream::stream::Stream>,
-        publisher: &mut Publisher,
+        relay: &mut Relay,
         shutdown: &mut watch::Receiver<bool>,
     ) {
         let (seq, delivered, pending) = match msg.info() {
@@ -502,7 +579,7 @@ impl Worker {
         );
         let started = Instant::now();
         let result = self
-            .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), publisher, shutdown)
+            .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), relay, shutdown)
             .instrument(span)
             .await;
         metrics::histogram!(names::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
@@ -525,6 +602,9 @@ impl Worker {
                     error = %e, "batch not applied; will retry"
                 );
                 self.stats.add(&self.stats.retries, 1);
+                if matches!(e, HandleError::Fenced) {
+                    self.stats.add(&self.stats.fenced, 1);
+                }
                 let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
             }
         }
@@ -542,7 +622,7 @@ impl Worker {
         seq: u64,
         delivered: u64,
         ahead: Option<(&jetstream::stream::Stream, u64)>,
-        publisher: &mut Publisher,
+        relay: &mut Relay,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
         let trace = outbox_trace(msg);
@@ -551,56 +631,49 @@ impl Worker {
             Err(e) => {
                 let detail = format!("cannot decode CommandBatch: {e}");
                 return self
-                    .dead_letter(
-                        seq,
-                        reason::UNDECODABLE,
-                        detail,
-                        &msg.payload,
-                        &trace,
-                        publisher,
-                        shutdown,
-                    )
+                    .dead_letter(seq, reason::UNDECODABLE, detail, &msg.payload, &trace, relay, shutdown)
                     .await;
             }
         };
         let span = tracing::Span::current();
-        let mut parts = vec![(seq, batch)];
-        if let Some((stream, pending)) = ahead {
-            self.read_ahead(stream, pending, &mut parts).await;
-            span.record("batch.ahead", parts.len() - 1);
-        }
-        let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
-        let sweeps: usize = parts.iter().map(|(_, b)| b.sweeps.len()).sum();
-        span.record("batch.size", commands);
-        span.record("messaging.batch.message_count", commands + sweeps);
-        match self.apply_and_commit(&parts, &trace).await {
+        let result = if batch.sweeps.is_empty() {
+            let mut parts = vec![(seq, batch)];
+            if let Some((stream, pending)) = ahead {
+                self.read_ahead(stream, pending, &mut parts).await;
+                span.record("batch.ahead", parts.len() - 1);
+            }
+            let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
+            span.record("batch.size", commands);
+            span.record("messaging.batch.message_count", commands);
+            match self.apply_and_commit(&parts, &trace, relay).await {
+                Ok(Handled::Applied) => {
+                    failpoint::hit("after_commit");
+                    self.relay_until_done(relay, shutdown).await;
+                    if !*shutdown.borrow() {
+                        let last = parts.last().map_or(seq, |(s, _)| *s);
+                        self.committed_through.fetch_max(last, Ordering::Relaxed);
+                    }
+                    Ok(Handled::Applied)
+                }
+                other => other,
+            }
+        } else {
+            span.record("batch.size", batch.commands.len());
+            span.record("messaging.batch.message_count", batch.commands.len() + batch.sweeps.len());
+            self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await
+        };
+        match result {
             Ok(Handled::Skipped) => {
                 // Published or not, a committed outbox is drained before the ack.
-                self.relay(publisher).await.map_err(HandleError::Relay)?;
+                relay.relay().await?;
                 Ok(Handled::Skipped)
             }
-            Ok(Handled::Applied) => {
-                failpoint::hit("after_commit");
-                self.relay_until_done(publisher, shutdown).await;
-                if !*shutdown.borrow() {
-                    let last = parts.last().map_or(seq, |(s, _)| *s);
-                    self.committed_through.fetch_max(last, Ordering::Relaxed);
-                }
-                Ok(Handled::Applied)
-            }
-            Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e.into()),
+            Ok(Handled::Applied) => Ok(Handled::Applied),
+            Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e),
             Err(e) => {
                 let detail = format!("failed {delivered} times: {e}");
-                self.dead_letter(
-                    seq,
-                    reason::FAILED,
-                    detail,
-                    &msg.payload,
-                    &trace,
-                    publisher,
-                    shutdown,
-                )
-                .await
+                self.dead_letter(seq, reason::FAILED, detail, &msg.payload, &trace, relay, shutdown)
+                    .await
             }
         }
     }
@@ -608,8 +681,9 @@ impl Worker {
     /// Appends to `parts` the partition's messages stored behind the last
     /// one, each the next on the subject after the one before: at most
     /// `pending` (what the consumer has not delivered yet) and the limits.
-    /// Stops at the first message it cannot read or decode; that one is
-    /// handled when it is delivered.
+    /// Stops at the first message it cannot read or decode, and before one
+    /// carrying sweeps (applied on its own, in steps); that one is handled
+    /// when it is delivered.
     async fn read_ahead(
         &self,
         stream: &jetstream::stream::Stream,
@@ -643,7 +717,7 @@ impl Worker {
                 }
             };
             let Ok(batch) = CommandBatch::decode(m.payload.as_ref()) else { break };
-            if total + size(&batch) > AHEAD_COMMANDS {
+            if !batch.sweeps.is_empty() || total + size(&batch) > AHEAD_COMMANDS {
                 break;
             }
             total += size(&batch);
@@ -654,94 +728,133 @@ impl Worker {
         shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
     }
 
+    /// Limits and clock of a batch applied now.
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            partition: self.partition.0,
+            partitions: self.settings.storage.partitions,
+            max_record_bytes: self.settings.storage.max_record_bytes,
+            now_us: Self::now_us(),
+        }
+    }
+
+    /// How this worker names and sizes its outbox entries.
+    pub(crate) fn outbox<'a>(&'a self, trace: &'a TraceParts, relay: &Relay) -> Outbox<'a> {
+        Outbox {
+            partition: self.partition,
+            subjects: &self.subjects,
+            max_bytes: self.max_bytes,
+            floors: relay.floors(),
+            trace,
+        }
+    }
+
     /// Applies the command messages `parts` (ascending, consecutive on the
-    /// partition's subject) in order and commits those not applied yet as
-    /// one step.
+    /// partition's subject, no sweeps) in order and commits those not
+    /// applied yet as one step.
     async fn apply_and_commit(
         &self,
         parts: &[(u64, CommandBatch)],
         trace: &TraceParts,
-    ) -> Result<Handled, StoreError> {
+        relay: &mut Relay,
+    ) -> Result<Handled, HandleError> {
         let merged;
         let to_load = match parts {
             [(_, only)] => only,
             _ => {
                 merged = CommandBatch {
                     commands: parts.iter().flat_map(|(_, b)| b.commands.iter().cloned()).collect(),
-                    sweeps: parts.iter().flat_map(|(_, b)| b.sweeps.iter().cloned()).collect(),
                     ..Default::default()
                 };
                 &merged
             }
         };
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
-        // A fence means another writer advanced the partition: reload and
-        // look again (the sequence check then usually says "already done").
-        for _ in 0..3 {
-            let mut loaded = self.store.load(self.partition.0, to_load).await?;
-            let todo: Vec<&(u64, CommandBatch)> =
-                parts.iter().filter(|(seq, _)| *seq > loaded.seq).collect();
-            if todo.is_empty() {
-                debug!(partition = %self.partition, last, applied = loaded.seq, "already applied");
-                return Ok(Handled::Skipped);
+        let mut loaded = self.store.load(self.partition.0, to_load).await?;
+        let todo: Vec<&(u64, CommandBatch)> =
+            parts.iter().filter(|(seq, _)| *seq > loaded.at.applied).collect();
+        if todo.is_empty() {
+            debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
+            return Ok(Handled::Skipped);
+        }
+        if !loaded.at.step.is_empty() {
+            return Err(HandleError::StepOfAnother { seq: last, step: loaded.at.step });
+        }
+        let limits = self.limits();
+        // The changes of all of them go out together, per place, in the
+        // order they were applied, under the last one's sequence.
+        let (mut changes, mut rejections) = (Vec::new(), Vec::new());
+        let mut outcomes = Vec::with_capacity(todo.len());
+        for (_, batch) in &todo {
+            let mut outcome = apply_batch(batch, &mut loaded.slots, &HashMap::new(), &limits);
+            let n_changes = outcome.changes.len() as u64;
+            changes.append(&mut outcome.changes);
+            rejections.extend(outcome.rejections.iter().cloned());
+            outcomes.push((batch, n_changes, outcome));
+        }
+        let (outbox, _) =
+            self.outbox(trace, relay).entries(last, &last.to_string(), 0, changes, rejections);
+        failpoint::hit("before_commit");
+        let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
+        let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+        match self.store.commit(self.partition.0, &fence, &Position::at(last), &writes).await? {
+            Commit::Done => {}
+            Commit::Fenced => return Err(HandleError::Fenced),
+        }
+        self.wait_replicas().await?;
+        self.note_changed(&loaded.slots);
+        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().copied()));
+        let s = &self.stats;
+        s.add(&s.batches, todo.len() as u64);
+        s.add(&s.batches_ahead, todo.iter().filter(|(seq, _)| *seq != parts[0].0).count() as u64);
+        for (batch, n_changes, o) in outcomes {
+            self.count_applied(batch, n_changes, &o);
+        }
+        Ok(Handled::Applied)
+    }
+
+    /// Counts what one applied command message did (`n_changes`: its
+    /// changes, which the caller may have moved out of `o` already).
+    pub(crate) fn count_applied(
+        &self,
+        batch: &CommandBatch,
+        n_changes: u64,
+        o: &crate::apply::Outcome,
+    ) {
+        let s = &self.stats;
+        s.add(&s.commands, batch.commands.len() as u64);
+        s.add(&s.applied, o.applied);
+        s.add(&s.changes, n_changes);
+        s.add(&s.unchanged, o.unchanged);
+        s.add(&s.rejected, o.rejections.len() as u64);
+        record_applied(batch, o.applied, o.unchanged, n_changes);
+        record_rejections(&o.rejections);
+    }
+
+    /// With `redis.wait_replicas`, waits until that many Redis replicas have
+    /// every write so far (`WAIT`), however many timeouts it takes: a commit
+    /// is not published nor acked before.
+    pub(crate) async fn wait_replicas(&self) -> Result<(), StoreError> {
+        let want = self.settings.redis.wait_replicas;
+        if want == 0 {
+            return Ok(());
+        }
+        let mut logged = false;
+        loop {
+            let have = self.store.wait_replicas(want, self.settings.redis.wait_timeout).await?;
+            if have >= want {
+                return Ok(());
             }
-            let limits = Limits {
-                partition: self.partition.0,
-                partitions: self.settings.storage.partitions,
-                max_record_bytes: self.settings.storage.max_record_bytes,
-                now_us: Self::now_us(),
-            };
-            // The changes of all of them go out together, per place, in
-            // the order they were applied, under the last one's sequence.
-            let (mut changes, mut rejections) = (Vec::new(), Vec::new());
-            let mut outcomes = Vec::with_capacity(todo.len());
-            for (_, batch) in &todo {
-                let mut outcome =
-                    apply_batch(batch, &mut loaded.slots, &loaded.sweep_gens, &limits);
-                let n_changes = outcome.changes.len() as u64;
-                changes.append(&mut outcome.changes);
-                rejections.extend(outcome.rejections.iter().cloned());
-                outcomes.push((batch, n_changes, outcome));
-            }
-            let outbox = self.outbox_entries(last, changes, rejections, trace);
-            failpoint::hit("before_commit");
-            match self
-                .store
-                .commit(self.partition.0, loaded.seq, last, &loaded.slots, &outbox)
-                .await?
-            {
-                Commit::Done => {
-                    self.note_changed(&loaded.slots);
-                    self.keyframe_limits.live.committed(|| oldest_published(todo.iter().copied()));
-                    let s = &self.stats;
-                    s.add(&s.batches, todo.len() as u64);
-                    s.add(
-                        &s.batches_ahead,
-                        todo.iter().filter(|(seq, _)| *seq != parts[0].0).count() as u64,
-                    );
-                    for (batch, n_changes, o) in outcomes {
-                        s.add(&s.commands, batch.commands.len() as u64);
-                        s.add(&s.applied, o.applied);
-                        s.add(&s.changes, n_changes);
-                        s.add(&s.unchanged, o.unchanged);
-                        s.add(&s.rejected, o.rejections.len() as u64);
-                        s.add(&s.sweeps, batch.sweeps.len() as u64);
-                        record_applied(batch, o.applied, o.unchanged, n_changes);
-                        record_rejections(&o.rejections);
-                    }
-                    return Ok(Handled::Applied);
-                }
-                Commit::Fenced => {
-                    warn!(partition = %self.partition, seq = last, "partition sequence moved under us; reloading");
-                    self.stats.add(&self.stats.fenced, 1);
-                }
+            metrics::counter!(names::REDIS_WAIT_RETRIES).increment(1);
+            if !logged {
+                warn!(
+                    partition = %self.partition, want, have,
+                    "Redis replicas did not confirm the commit in time; waiting (nothing is \
+                     published or acked before)"
+                );
+                logged = true;
             }
         }
-        Err(StoreError::Corrupt {
-            key: format!("partition {}", self.partition),
-            detail: "fenced three times in a row: is another process writing this partition?"
-                .into(),
-        })
     }
 
     /// Commits a rejection carrying the raw message and advances the
@@ -754,12 +867,12 @@ impl Worker {
         detail: String,
         raw: &[u8],
         trace: &TraceParts,
-        publisher: &mut Publisher,
+        relay: &mut Relay,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
         error!(partition = %self.partition, seq, reason = why, %detail, "dead-lettering command message");
-        let applied = self.store.applied_seq(self.partition.0).await?;
-        if seq <= applied {
+        let at = self.store.position(self.partition.0).await?;
+        if seq <= at.applied {
             return Ok(Handled::Skipped);
         }
         let rejection = Rejection {
@@ -768,143 +881,31 @@ impl Worker {
             raw: raw[..raw.len().min(MAX_RAW)].to_vec(),
             ..Default::default()
         };
-        let outbox = self.outbox_entries(seq, Vec::new(), vec![rejection], trace);
-        let slots = Default::default();
-        match self.store.commit(self.partition.0, applied, seq, &slots, &outbox).await? {
+        let (outbox, _) =
+            self.outbox(trace, relay).entries(seq, &seq.to_string(), 0, Vec::new(), vec![rejection]);
+        let fence = Fence { at, stream: self.stream_identity() };
+        let writes = Writes { slots: None, outbox: &outbox, sweeps: &[] };
+        match self.store.commit(self.partition.0, &fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
                 self.stats.add(&self.stats.dead_lettered, 1);
                 metrics::counter!(names::REJECTS, "reason" => why.to_string()).increment(1);
-                self.relay_until_done(publisher, shutdown).await;
+                self.relay_until_done(relay, shutdown).await;
                 Ok(Handled::Applied)
             }
-            Commit::Fenced => Err(HandleError::NoInfo("fenced while dead-lettering".into())),
-        }
-    }
-
-    /// Turns the changes and rejections of one command message into outbox
-    /// entries: per place, in order, at most 1000 per message and under the
-    /// payload limit, with ids that are the same on every replay.
-    fn outbox_entries(
-        &self,
-        seq: u64,
-        changes: Vec<Change>,
-        rejections: Vec<Rejection>,
-        trace: &TraceParts,
-    ) -> Vec<OutboxEntry> {
-        let mut out = Vec::new();
-        let mut by_place: BTreeMap<(i64, i64), Vec<Change>> = BTreeMap::new();
-        for c in changes {
-            let k = c.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
-            by_place.entry(k).or_default().push(c);
-        }
-        let mut part = 0u32;
-        for ((b, p), list) in by_place {
-            for chunk in split_by_size(list, self.max_bytes) {
-                let batch = ChangeBatch {
-                    changes: chunk,
-                    partition: self.partition.0,
-                    command_seq: seq,
-                    part,
-                    ..Default::default()
-                };
-                out.push(OutboxEntry {
-                    subject: self.subjects.changes(b, p),
-                    msg_id: format!("chg:{}:{seq}:{part}", self.partition),
-                    payload: batch.encode_to_vec(),
-                    msg_type: msg_type::CHANGE_BATCH.into(),
-                    traceparent: trace.traceparent.clone(),
-                    tracestate: trace.tracestate.clone(),
-                });
-                part += 1;
-            }
-        }
-        let mut by_place: BTreeMap<(i64, i64), Vec<Rejection>> = BTreeMap::new();
-        for r in rejections {
-            let k = r.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
-            by_place.entry(k).or_default().push(r);
-        }
-        let mut rpart = 0u32;
-        for ((b, p), list) in by_place {
-            for chunk in split_by_size(list, self.max_bytes) {
-                out.push(OutboxEntry {
-                    subject: self.subjects.rejects(b, p),
-                    msg_id: format!("rej:{}:{seq}:{rpart}", self.partition),
-                    payload: RejectionBatch { rejections: chunk }.encode_to_vec(),
-                    msg_type: msg_type::REJECTION_BATCH.into(),
-                    traceparent: trace.traceparent.clone(),
-                    tracestate: trace.tracestate.clone(),
-                });
-                rpart += 1;
-            }
-        }
-        out
-    }
-
-    /// Publishes the outbox from its head and trims what JetStream acked.
-    async fn relay(&self, publisher: &mut Publisher) -> Result<usize, String> {
-        let mut total = 0;
-        loop {
-            let entries = self
-                .store
-                .outbox_peek(self.partition.0, RELAY_CHUNK)
-                .await
-                .map_err(|e| e.to_string())?;
-            if entries.is_empty() {
-                return Ok(total);
-            }
-            let contexts: Vec<_> = entries
-                .iter()
-                .map(|e| shelfsync_telemetry::from_parts(&e.traceparent, &e.tracestate))
-                .collect();
-            // Relaying entries of several command messages: link them all.
-            shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
-            for (e, cx) in entries.iter().zip(contexts) {
-                let span = shelfsync_telemetry::send_span!(
-                    "storage.relay",
-                    e.subject,
-                    partition = self.partition.0,
-                );
-                shelfsync_telemetry::set_parent(&span, cx);
-                let headers = relay_headers(&span, e);
-                publisher
-                    .publish(
-                        e.subject.clone(),
-                        e.msg_id.clone(),
-                        &e.msg_type,
-                        headers,
-                        e.payload.clone().into(),
-                    )
-                    .instrument(span)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            publisher.flush().await.map_err(|e| e.to_string())?;
-            failpoint::hit("after_outbox_publish");
-            self.store
-                .outbox_trim(self.partition.0, entries.len())
-                .await
-                .map_err(|e| e.to_string())?;
-            total += entries.len();
-            self.stats.add(&self.stats.published, entries.len() as u64);
-            let change_bytes: usize = entries
-                .iter()
-                .filter(|e| e.msg_type == msg_type::CHANGE_BATCH)
-                .map(|e| e.payload.len())
-                .sum();
-            self.stats.add(&self.stats.change_bytes, change_bytes as u64);
+            Commit::Fenced => Err(HandleError::Fenced),
         }
     }
 
     /// Relays until the outbox is empty, backing off while NATS or Redis is
     /// away; gives up only on shutdown (the outbox stays for the next run).
-    async fn relay_until_done(
+    pub(crate) async fn relay_until_done(
         &self,
-        publisher: &mut Publisher,
+        relay: &mut Relay,
         shutdown: &mut watch::Receiver<bool>,
     ) {
         let mut delay = Duration::from_millis(100);
         loop {
-            match self.relay(publisher).await {
+            match relay.relay().await {
                 Ok(_) => return,
                 Err(e) => {
                     warn!(partition = %self.partition, error = %e, retry_in = ?delay, "outbox relay failed");
@@ -921,17 +922,121 @@ impl Worker {
         }
     }
 
-    async fn purge(&self) {
+    /// Between messages: purges tombstones older than `tombstone_ttl` and
+    /// records absent for longer than `absent_ttl` (a DELETED change each),
+    /// every write fenced by the partition's position like a commit.
+    async fn purge(&self, relay: &mut Relay, shutdown: &mut watch::Receiver<bool>) {
+        let at = match self.store.position(self.partition.0).await {
+            Ok(at) if at.step.is_empty() => at,
+            Ok(_) => return, // a message is half applied: it goes first
+            Err(e) => {
+                warn!(partition = %self.partition, error = %e, "purge: cannot read the position");
+                return;
+            }
+        };
+        let fence = Fence { at, stream: self.stream_identity() };
         let cutoff = Self::now_us() - self.settings.storage.tombstone_ttl.as_micros() as i64;
-        match self.store.purge_tombstones(self.partition.0, cutoff, 1000).await {
-            Ok(0) => {}
-            Ok(n) => {
+        match self.store.purge_tombstones(self.partition.0, &fence, cutoff, PURGE_BATCH).await {
+            Ok(Some(0)) => {}
+            Ok(Some(n)) => {
                 debug!(partition = %self.partition, purged = n, "tombstones purged");
                 self.stats.add(&self.stats.purged, n as u64);
             }
+            Ok(None) => warn!(partition = %self.partition, "tombstone purge fenced; skipped"),
             Err(e) => warn!(partition = %self.partition, error = %e, "tombstone purge failed"),
         }
+        if let Err(e) = self.purge_absent(&fence, relay, shutdown).await {
+            warn!(partition = %self.partition, error = %e, "absent purge failed");
+        }
+        // Entries an operator put back (`shelfsync dead-letters redrive`)
+        // go out even when no command comes.
+        self.relay_until_done(relay, shutdown).await;
     }
+
+    /// Deletes records absent since before `absent_ttl`: each is a DELETE
+    /// through the pure core, compare-and-swapped on the `updated_at` it had
+    /// when it was found absent, so that a record that came back meanwhile
+    /// is left alone. Its tombstone is purged later like any other.
+    async fn purge_absent(
+        &self,
+        fence: &Fence,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<(), HandleError> {
+        let ttl = self.settings.storage.absent_ttl;
+        if ttl.is_zero() {
+            return Ok(());
+        }
+        let cutoff = Self::now_us() - ttl.as_micros() as i64;
+        let due = self.store.absent_due(self.partition.0, cutoff, PURGE_BATCH).await?;
+        if due.is_empty() {
+            return Ok(());
+        }
+        let probe = CommandBatch {
+            partition: self.partition.0,
+            commands: due.iter().map(|k| delete_command(k, None)).collect(),
+            ..Default::default()
+        };
+        let mut loaded = self.store.load(self.partition.0, &probe).await?;
+        if loaded.at != fence.at {
+            return Err(HandleError::Fenced);
+        }
+        let mut commands = Vec::new();
+        for k in &due {
+            let Some(slot) = loaded.slots.get_mut(k) else { continue };
+            match &slot.record {
+                Some(r) if r.absent && !r.deleted && r.updated_at <= cutoff => {
+                    commands.push(delete_command(k, Some(r.updated_at)));
+                }
+                // Back, deleted or gone since: only the index entry goes.
+                _ => slot.absent_index = Some(false),
+            }
+        }
+        let batch = CommandBatch { partition: self.partition.0, commands, ..Default::default() };
+        let outcome = apply_batch(&batch, &mut loaded.slots, &HashMap::new(), &self.limits());
+        let id = format!("purge.{}.{}", fence.at.applied, Self::now_us());
+        let (outbox, _) = self
+            .outbox(&TraceParts::default(), relay)
+            .entries(fence.at.applied, &id, 0, outcome.changes.clone(), Vec::new());
+        let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+        match self.store.commit(self.partition.0, fence, &fence.at, &writes).await? {
+            Commit::Done => {}
+            Commit::Fenced => return Err(HandleError::Fenced),
+        }
+        self.wait_replicas().await?;
+        self.note_changed(&loaded.slots);
+        let purged = outcome.changes.len() as u64;
+        if purged > 0 {
+            info!(partition = %self.partition, purged, "absent records purged (absent_ttl)");
+            self.stats.add(&self.stats.changes, purged);
+            metrics::counter!(names::ABSENT_PURGED).increment(purged);
+            metrics::counter!(names::CHANGES_EMITTED).increment(purged);
+        }
+        self.relay_until_done(relay, shutdown).await;
+        Ok(())
+    }
+}
+
+/// A DELETE of `k` by storage's absent purge (CAS on `updated_at` if given).
+fn delete_command(k: &crate::apply::Key, expected_updated_at: Option<i64>) -> Command {
+    Command {
+        key: Some(shelfsync_proto::RecordKey::new(k.0, k.1, k.2.clone())),
+        kind: CommandKind::Delete as i32,
+        expected_updated_at,
+        origin: Some(Origin {
+            source: "storage.absent_purge".into(),
+            import_id: String::new(),
+            published_at: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+/// The identity of a command stream: its name and when it was created. A
+/// stream deleted and created again has another.
+fn stream_identity(stream: &jetstream::stream::Stream) -> String {
+    let info = stream.cached_info();
+    format!("{}@{}", info.config.name, info.created.unix_timestamp_nanos())
 }
 
 /// Resolves once shutdown is asked (at once if it was already).
@@ -948,22 +1053,6 @@ fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
     }
     let (traceparent, tracestate) = shelfsync_telemetry::parts(&cx);
     TraceParts { traceparent, tracestate }
-}
-
-/// Headers of a relayed entry: `None` lets the publisher inject the relay
-/// span's context; without tracing the stored context is passed on as is.
-fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::HeaderMap> {
-    if e.traceparent.is_empty()
-        || shelfsync_telemetry::is_valid(&shelfsync_telemetry::context_of(span))
-    {
-        return None;
-    }
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(shelfsync_telemetry::TRACEPARENT, e.traceparent.as_str());
-    if !e.tracestate.is_empty() {
-        headers.insert(shelfsync_telemetry::TRACESTATE, e.tracestate.as_str());
-    }
-    Some(headers)
 }
 
 /// When the oldest command of `batches` was published, microseconds since
@@ -1007,25 +1096,4 @@ fn record_rejections(rejections: &[Rejection]) {
         }
         metrics::counter!(names::REJECTS, "reason" => r.reason.clone()).increment(1);
     }
-}
-
-/// Splits items into runs of at most 1000 whose encoded size stays under
-/// `max_bytes` (an item larger than that goes alone).
-fn split_by_size<T: Message>(items: Vec<T>, max_bytes: usize) -> Vec<Vec<T>> {
-    let mut out = Vec::new();
-    let mut cur = Vec::new();
-    let mut size = 16;
-    for item in items {
-        let len = item.encoded_len() + 6;
-        if !cur.is_empty() && (size + len > max_bytes || cur.len() >= 1000) {
-            out.push(std::mem::take(&mut cur));
-            size = 16;
-        }
-        size += len;
-        cur.push(item);
-    }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
-    out
 }

@@ -116,6 +116,7 @@ fn sweep_at(place: i64, generation: i64) -> Sweep {
         generation,
         source: "flowers".into(),
         import_id: format!("import-{generation}"),
+        ..Default::default()
     }
 }
 
@@ -156,7 +157,7 @@ struct Store {
 }
 
 /// Per swept place, its generation column as `apply_batch` takes it.
-type SweepGens = HashMap<(i64, i64), Vec<(String, GenEntry)>>;
+type SweepGens = HashMap<(i64, i64), SweptPlace>;
 
 /// One applied batch: what the core said and the slots it left to commit.
 struct Applied {
@@ -261,7 +262,7 @@ impl Store {
                     slots.entry(k).or_insert(slot);
                 }
             }
-            sweep_gens.insert(place, column);
+            sweep_gens.insert(place, SweptPlace { column, held: None });
         }
         (slots, sweep_gens)
     }

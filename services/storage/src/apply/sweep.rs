@@ -1,0 +1,219 @@
+//! The pure part of a sweep: which records it may mark absent, whether the
+//! evidence it carries allows it (the guard), and marking one record. No I/O:
+//! the whole-place sweep of [`super::apply_batch`] and storage's sweep in
+//! bounded steps (`crate::sweep`) both decide and mark through here, so they
+//! cannot disagree.
+//!
+//! A full import sweeps only what it had the chance to see. A guarded sweep
+//! is **held** instead of applied when there is something to sweep and
+//! either no item of the place was accepted (every item rejected, or the
+//! place missing from the dump) or it would mark absent more than the
+//! guard's `max_fraction` of the place's live records. A held sweep is kept
+//! for the place until an operator releases it or a newer sweep of the place
+//! supersedes it.
+
+use shelfsync_proto::{Change, ChangeKind, Origin, RecordKey, Sweep, SweepOutcome};
+
+use super::{GenEntry, Key, Slot, bump, change};
+
+/// [`SweepOutcome::status`] values.
+pub mod status {
+    pub const APPLIED: &str = "applied";
+    pub const HELD: &str = "held";
+    pub const REFUSED: &str = "refused";
+}
+
+/// [`SweepOutcome::reason`] values.
+pub mod why {
+    pub const NO_ITEM_ACCEPTED: &str = "no_item_accepted";
+    pub const MISSING_FROM_DUMP: &str = "missing_from_dump";
+    pub const OVER_FRACTION: &str = "over_fraction";
+    pub const NOT_HELD: &str = "not_held";
+}
+
+/// A record with this generation entry is one the sweep marks absent.
+pub fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
+    !e.absent && !e.deleted && e.generation < sweep_generation
+}
+
+/// What a place holds, as far as a sweep's decision goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Present and not deleted records.
+    pub live: u64,
+    /// Of those, the ones below the sweep's generation.
+    pub candidates: u64,
+}
+
+impl Census {
+    /// Counts one stored record.
+    pub fn count(&mut self, e: &GenEntry, sweep_generation: i64) {
+        if !e.absent && !e.deleted {
+            self.live += 1;
+        }
+        if is_candidate(e, sweep_generation) {
+            self.candidates += 1;
+        }
+    }
+}
+
+/// What to do with a sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Apply,
+    /// Kept for the place, nothing marked; the reason is one of [`why`].
+    Hold(&'static str),
+    /// Dropped, nothing marked (an operator's release of a sweep that is not
+    /// the one held).
+    Refuse(&'static str),
+}
+
+/// Decides a sweep from what the place holds and from the sweep held for it
+/// (if any).
+pub fn decide(sweep: &Sweep, census: Census, held: Option<&SweepOutcome>) -> Decision {
+    if sweep.release_held {
+        let is_held = held.and_then(|h| h.sweep.as_ref()).is_some_and(|h| {
+            h.import_id == sweep.import_id && h.generation == sweep.generation
+        });
+        return if is_held { Decision::Apply } else { Decision::Refuse(why::NOT_HELD) };
+    }
+    let Some(guard) = &sweep.guard else { return Decision::Apply };
+    if census.candidates == 0 {
+        return Decision::Apply;
+    }
+    if guard.accepted == 0 {
+        return Decision::Hold(if guard.missing {
+            why::MISSING_FROM_DUMP
+        } else {
+            why::NO_ITEM_ACCEPTED
+        });
+    }
+    // "More than the fraction": exactly the fraction still sweeps.
+    if census.candidates as f64 > guard.max_fraction * census.live as f64 {
+        return Decision::Hold(why::OVER_FRACTION);
+    }
+    Decision::Apply
+}
+
+/// Marks the record of `slot` absent if the sweep may (it is live and below
+/// the sweep's generation), and returns the change. The slot is left dirty
+/// for the commit.
+pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Option<Change> {
+    if slot.record.is_none() || !is_candidate(&slot.gen_entry(), sweep.generation) {
+        return None;
+    }
+    let before = slot.record.clone()?;
+    let mut next = before.clone();
+    next.absent = true;
+    next.updated_at = bump(before.updated_at, now_us);
+    slot.record = Some(next.clone());
+    slot.record_dirty = true;
+    slot.gen_dirty = true;
+    slot.absent_index = Some(true);
+    let origin = Some(Origin {
+        source: sweep.source.clone(),
+        import_id: sweep.import_id.clone(),
+        published_at: 0,
+    });
+    let record_key = RecordKey::new(key.0, key.1, key.2.clone());
+    let generation = slot.generation;
+    Some(change(
+        &record_key,
+        Some((&before, generation)),
+        &next,
+        ChangeKind::Updated,
+        generation,
+        origin,
+    ))
+}
+
+/// The outcome to keep for a decided sweep.
+pub fn outcome(
+    sweep: &Sweep,
+    decision: Decision,
+    census: Census,
+    marked_absent: u64,
+    decided_at: i64,
+) -> SweepOutcome {
+    let (status, reason) = match decision {
+        Decision::Apply => (status::APPLIED, ""),
+        Decision::Hold(r) => (status::HELD, r),
+        Decision::Refuse(r) => (status::REFUSED, r),
+    };
+    SweepOutcome {
+        sweep: Some(sweep.clone()),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        live: census.live,
+        candidates: census.candidates,
+        marked_absent,
+        decided_at,
+        command_seq: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shelfsync_proto::SweepGuard;
+
+    use super::*;
+
+    fn guarded(accepted: u64, max_fraction: f64) -> Sweep {
+        Sweep {
+            brand_id: 7,
+            place_id: 42,
+            generation: 2,
+            import_id: "i2".into(),
+            guard: Some(SweepGuard { accepted, max_fraction, missing: false }),
+            ..Default::default()
+        }
+    }
+
+    fn census(live: u64, candidates: u64) -> Census {
+        Census { live, candidates }
+    }
+
+    #[test]
+    fn a_healthy_import_sweeps_up_to_the_fraction_and_holds_beyond_it() {
+        let s = guarded(150, 0.5);
+        assert_eq!(decide(&s, census(300, 150), None), Decision::Apply, "exactly half");
+        assert_eq!(decide(&s, census(300, 151), None), Decision::Hold(why::OVER_FRACTION));
+        assert_eq!(decide(&guarded(1, 1.0), census(300, 299), None), Decision::Apply);
+    }
+
+    #[test]
+    fn no_accepted_item_holds_a_sweep_that_would_mark_anything() {
+        assert_eq!(decide(&guarded(0, 0.5), census(300, 300), None), Decision::Hold(why::NO_ITEM_ACCEPTED));
+        let missing = Sweep {
+            guard: Some(SweepGuard { accepted: 0, max_fraction: 0.5, missing: true }),
+            ..guarded(0, 0.5)
+        };
+        assert_eq!(decide(&missing, census(3, 3), None), Decision::Hold(why::MISSING_FROM_DUMP));
+        // Nothing to sweep: nothing to hold either.
+        assert_eq!(decide(&guarded(0, 0.5), census(0, 0), None), Decision::Apply);
+        assert_eq!(decide(&guarded(0, 0.5), census(5, 0), None), Decision::Apply);
+    }
+
+    #[test]
+    fn an_unguarded_sweep_applies_and_a_release_needs_the_held_one() {
+        let plain = Sweep { guard: None, ..guarded(0, 0.0) };
+        assert_eq!(decide(&plain, census(10, 10), None), Decision::Apply);
+
+        let held = outcome(&guarded(0, 0.5), Decision::Hold(why::NO_ITEM_ACCEPTED), census(10, 10), 0, 5);
+        let release = Sweep { guard: None, release_held: true, ..guarded(0, 0.5) };
+        assert_eq!(decide(&release, census(10, 10), Some(&held)), Decision::Apply);
+        assert_eq!(decide(&release, census(10, 10), None), Decision::Refuse(why::NOT_HELD));
+        let other = Sweep { import_id: "i3".into(), generation: 3, ..release.clone() };
+        assert_eq!(decide(&other, census(10, 10), Some(&held)), Decision::Refuse(why::NOT_HELD));
+    }
+
+    #[test]
+    fn the_census_counts_live_records_and_candidates() {
+        let mut c = Census::default();
+        let e = |generation, absent, deleted| GenEntry { generation, absent, deleted };
+        for entry in [e(1, false, false), e(2, false, false), e(1, true, false), e(1, false, true)] {
+            c.count(&entry, 2);
+        }
+        assert_eq!(c, census(2, 1));
+    }
+}

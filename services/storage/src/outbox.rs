@@ -1,0 +1,324 @@
+//! What goes into the outbox: the changes and rejections of one commit as
+//! `OutboxEntry`s — per place, in order, at most 1000 per message and under
+//! the payload limit, with message ids that are the same on every replay —
+//! and how an entry that cannot be published as it is gets split or reduced.
+//! Pure: no I/O.
+
+use std::collections::BTreeMap;
+
+use prost::Message;
+use shelfsync_bus::{Partition, Subjects};
+use shelfsync_proto::{
+    Change, ChangeBatch, Command, OutboxEntry, Rejection, RejectionBatch, msg_type,
+};
+
+/// Raw bytes a reduced rejection keeps of its input.
+const REDUCED_RAW: usize = 1024;
+/// Detail a reduced rejection keeps.
+const REDUCED_DETAIL: usize = 1024;
+
+/// W3C trace context kept with outbox entries.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TraceParts {
+    pub traceparent: String,
+    pub tracestate: String,
+}
+
+/// Where the entries of one commit go and how they are named.
+pub(crate) struct Outbox<'a> {
+    pub partition: Partition,
+    pub subjects: &'a Subjects,
+    /// Largest payload to publish (server max payload minus headroom).
+    pub max_bytes: usize,
+    /// Sequences of the CHANGES and REJECTS streams at or below where the
+    /// entries will land (see `OutboxEntry.stream_floor`).
+    pub floors: (u64, u64),
+    pub trace: &'a TraceParts,
+}
+
+impl Outbox<'_> {
+    /// The entries of `changes` and `rejections` of command message(s)
+    /// `seq`. `id` names them (`chg:<partition>:<id>:<part>`, `rej:…`), the
+    /// same on every replay; parts are numbered from `first_part`, and the
+    /// next free part is returned with the entries.
+    pub fn entries(
+        &self,
+        seq: u64,
+        id: &str,
+        first_part: u32,
+        changes: Vec<Change>,
+        rejections: Vec<Rejection>,
+    ) -> (Vec<OutboxEntry>, u32) {
+        let mut out = Vec::new();
+        let mut part = first_part;
+        let mut by_place: BTreeMap<(i64, i64), Vec<Change>> = BTreeMap::new();
+        for c in changes {
+            let k = c.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            by_place.entry(k).or_default().push(fit_change(c, self.max_bytes));
+        }
+        for ((b, p), list) in by_place {
+            for chunk in split_by_size(list, self.max_bytes) {
+                let batch = ChangeBatch {
+                    changes: chunk,
+                    partition: self.partition.0,
+                    command_seq: seq,
+                    part,
+                    ..Default::default()
+                };
+                out.push(self.entry(
+                    self.subjects.changes(b, p),
+                    format!("chg:{}:{id}:{part}", self.partition),
+                    batch.encode_to_vec(),
+                    msg_type::CHANGE_BATCH,
+                    self.floors.0,
+                ));
+                part += 1;
+            }
+        }
+        let mut by_place: BTreeMap<(i64, i64), Vec<Rejection>> = BTreeMap::new();
+        for r in rejections {
+            let k = r.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            by_place.entry(k).or_default().push(fit_rejection(r, self.max_bytes));
+        }
+        for ((b, p), list) in by_place {
+            for chunk in split_by_size(list, self.max_bytes) {
+                out.push(self.entry(
+                    self.subjects.rejects(b, p),
+                    format!("rej:{}:{id}:{part}", self.partition),
+                    RejectionBatch { rejections: chunk }.encode_to_vec(),
+                    msg_type::REJECTION_BATCH,
+                    self.floors.1,
+                ));
+                part += 1;
+            }
+        }
+        (out, part)
+    }
+
+    fn entry(
+        &self,
+        subject: String,
+        msg_id: String,
+        payload: Vec<u8>,
+        kind: &str,
+        floor: u64,
+    ) -> OutboxEntry {
+        OutboxEntry {
+            subject,
+            msg_id,
+            payload,
+            msg_type: kind.into(),
+            traceparent: self.trace.traceparent.clone(),
+            tracestate: self.trace.tracestate.clone(),
+            stream_floor: floor,
+        }
+    }
+}
+
+/// A change too large for one message loses its `before` data and state
+/// (flagged `before_omitted`); the `after` is what consumers apply.
+fn fit_change(c: Change, max_bytes: usize) -> Change {
+    if c.encoded_len() + 64 <= max_bytes {
+        return c;
+    }
+    reduce_change(c)
+}
+
+fn reduce_change(mut c: Change) -> Change {
+    if let Some(b) = c.before.as_mut() {
+        b.data.clear();
+        b.state.clear();
+        c.before_omitted = true;
+    }
+    c
+}
+
+/// A rejection too large for one message keeps the command's key, kind and
+/// origin but not its data and state, and at most 1 KiB of raw input and
+/// of detail (a rejection is a report, not a copy of the input).
+fn fit_rejection(r: Rejection, max_bytes: usize) -> Rejection {
+    if r.encoded_len() + 64 <= max_bytes {
+        return r;
+    }
+    reduce_rejection(r)
+}
+
+fn reduce_rejection(mut r: Rejection) -> Rejection {
+    let dropped = r.command.as_ref().map_or(0, |c| c.data.len() + c.state.len()) + r.raw.len();
+    if let Some(c) = r.command.as_mut() {
+        *c = Command {
+            key: c.key.take(),
+            kind: c.kind,
+            expected_updated_at: c.expected_updated_at,
+            generation: c.generation,
+            origin: c.origin.take(),
+            ..Default::default()
+        };
+    }
+    r.raw.truncate(REDUCED_RAW);
+    if r.detail.len() > REDUCED_DETAIL {
+        let mut end = REDUCED_DETAIL;
+        while !r.detail.is_char_boundary(end) {
+            end -= 1;
+        }
+        r.detail.truncate(end);
+    }
+    r.detail.push_str(&format!(" [reduced to fit one message: {dropped} bytes of input left out]"));
+    r
+}
+
+/// What to publish instead of an entry that was refused as too large:
+/// its items in two halves, or — a single item — the item reduced. `None`:
+/// nothing smaller can be made (the entry cannot be published).
+pub(crate) fn smaller(entry: &OutboxEntry) -> Option<Vec<OutboxEntry>> {
+    let piece = |suffix: usize, payload: Vec<u8>| OutboxEntry {
+        msg_id: format!("{}/{suffix}", entry.msg_id),
+        payload,
+        ..entry.clone()
+    };
+    match entry.msg_type.as_str() {
+        msg_type::CHANGE_BATCH => {
+            let batch = ChangeBatch::decode(entry.payload.as_slice()).ok()?;
+            match batch.changes.len() {
+                0 => None,
+                1 => {
+                    let c = batch.changes[0].clone();
+                    if c.before_omitted || c.before.is_none() {
+                        return None;
+                    }
+                    let one = ChangeBatch { changes: vec![reduce_change(c)], ..batch };
+                    Some(vec![piece(0, one.encode_to_vec())])
+                }
+                n => {
+                    let (a, b) = batch.changes.split_at(n / 2);
+                    let half = |changes: &[Change]| {
+                        ChangeBatch { changes: changes.to_vec(), ..batch.clone() }.encode_to_vec()
+                    };
+                    Some(vec![piece(0, half(a)), piece(1, half(b))])
+                }
+            }
+        }
+        msg_type::REJECTION_BATCH => {
+            let batch = RejectionBatch::decode(entry.payload.as_slice()).ok()?;
+            match batch.rejections.len() {
+                0 => None,
+                1 => {
+                    let r = batch.rejections[0].clone();
+                    let reduced = reduce_rejection(r.clone());
+                    if reduced.encoded_len() >= r.encoded_len() {
+                        return None;
+                    }
+                    let one = RejectionBatch { rejections: vec![reduced] };
+                    Some(vec![piece(0, one.encode_to_vec())])
+                }
+                n => {
+                    let (a, b) = batch.rejections.split_at(n / 2);
+                    let half =
+                        |r: &[Rejection]| RejectionBatch { rejections: r.to_vec() }.encode_to_vec();
+                    Some(vec![piece(0, half(a)), piece(1, half(b))])
+                }
+            }
+        }
+        _ => None,
+    }
+}
+
+/// Splits items into runs of at most 1000 whose encoded size stays under
+/// `max_bytes` (an item larger than that goes alone).
+pub(crate) fn split_by_size<T: Message>(items: Vec<T>, max_bytes: usize) -> Vec<Vec<T>> {
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut size = 16;
+    for item in items {
+        let len = item.encoded_len() + 6;
+        if !cur.is_empty() && (size + len > max_bytes || cur.len() >= 1000) {
+            out.push(std::mem::take(&mut cur));
+            size = 16;
+        }
+        size += len;
+        cur.push(item);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use shelfsync_proto::{Record, RecordKey};
+
+    use super::*;
+
+    fn change(id: &str, bytes: usize) -> Change {
+        let r = |n| Record { data: vec![7; n], ..Default::default() };
+        Change {
+            key: Some(RecordKey::new(7, 42, id)),
+            before: Some(r(bytes)),
+            after: Some(r(bytes)),
+            ..Default::default()
+        }
+    }
+
+    fn outbox_of(max_bytes: usize) -> (Subjects, TraceParts, usize) {
+        (Subjects::new("t"), TraceParts::default(), max_bytes)
+    }
+
+    #[test]
+    fn ids_are_the_same_on_every_replay_and_parts_continue() {
+        let (subjects, trace, max) = outbox_of(64 * 1024);
+        let o = Outbox { partition: Partition(3), subjects: &subjects, max_bytes: max, floors: (10, 20), trace: &trace };
+        let (a, next) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
+        let (b, _) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
+        assert_eq!(a, b);
+        assert_eq!(a[0].msg_id, "chg:3:120:4");
+        assert_eq!((a[0].stream_floor, next), (10, 5));
+    }
+
+    #[test]
+    fn a_change_over_the_limit_goes_out_without_its_before_data() {
+        let (subjects, trace, max) = outbox_of(64 * 1024);
+        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let (e, _) = o.entries(1, "1", 0, vec![change("big", 40 * 1024)], vec![]);
+        let batch = ChangeBatch::decode(e[0].payload.as_slice()).expect("a change batch");
+        assert!(batch.changes[0].before_omitted);
+        assert!(batch.changes[0].before.as_ref().expect("before kept").data.is_empty());
+        assert_eq!(batch.changes[0].after.as_ref().expect("after").data.len(), 40 * 1024);
+        assert!(e[0].payload.len() < max);
+    }
+
+    #[test]
+    fn a_rejection_of_a_huge_command_is_reduced_to_fit() {
+        let (subjects, trace, max) = outbox_of(64 * 1024);
+        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let r = Rejection {
+            command: Some(Command { key: Some(RecordKey::new(7, 1, "x")), data: vec![1; 200_000], ..Default::default() }),
+            reason: "too_large".into(),
+            raw: vec![2; 100_000],
+            key: Some(RecordKey::new(7, 1, "x")),
+            ..Default::default()
+        };
+        let (e, _) = o.entries(1, "1", 0, vec![], vec![r]);
+        assert_eq!(e.len(), 1);
+        assert!(e[0].payload.len() < 4096, "{}", e[0].payload.len());
+        let batch = RejectionBatch::decode(e[0].payload.as_slice()).expect("rejections");
+        let r = &batch.rejections[0];
+        assert_eq!(r.reason, "too_large");
+        assert_eq!(r.command.as_ref().and_then(|c| c.key.clone()), Some(RecordKey::new(7, 1, "x")));
+        assert!(r.detail.contains("reduced"));
+    }
+
+    #[test]
+    fn a_refused_entry_is_halved_then_reduced_then_given_up() {
+        let (subjects, trace, max) = outbox_of(1 << 20);
+        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let (e, _) = o.entries(1, "1", 0, vec![change("a", 1000), change("b", 1000)], vec![]);
+        let halves = smaller(&e[0]).expect("two halves");
+        assert_eq!(halves.len(), 2);
+        assert_eq!(halves[1].msg_id, format!("{}/1", e[0].msg_id));
+        let reduced = smaller(&halves[0]).expect("reduced");
+        let one = ChangeBatch::decode(reduced[0].payload.as_slice()).expect("batch");
+        assert!(one.changes[0].before_omitted);
+        assert!(smaller(&reduced[0]).is_none(), "nothing smaller is left");
+    }
+}

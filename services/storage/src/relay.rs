@@ -1,0 +1,345 @@
+//! The outbox relay of one partition: publishes what the partition
+//! committed, in order, trims what JetStream stored, and never stores an
+//! entry twice — however long after its first attempt it is retried.
+//!
+//! JetStream's `Nats-Msg-Id` dedup only covers retries within
+//! `nats.duplicate_window`. Past it, the stream itself says what is stored:
+//! every entry carries a floor, a sequence of its stream at or below where
+//! it lands (the highest the worker knew when it committed the entry).
+//! Whenever a publish may have landed unseen — the first relay after a start
+//! (a previous owner may have died between its publish and its trim) and
+//! every relay after a failed attempt (a lost ack, an outage) — the relay
+//! reads each entry's subject from just after its floor and skips the
+//! entries it finds there by message id. In the steady state (the previous
+//! relay went through) nothing is read; the window is only an optimisation.
+//!
+//! An entry refused as too large is published in halves, or reduced
+//! (`crate::outbox::smaller`); one that cannot be made smaller, or that
+//! JetStream keeps refusing, is kept aside in Redis (`{ns:pN}:dead`),
+//! counted and logged once, and the partition moves on. A publish that gets
+//! no answer (NATS away) is an outage, not a refusal: retried until it works.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use shelfsync_bus::{Failure, Partition, PublishFailed, Publisher, Subjects};
+use shelfsync_proto::{OutboxEntry, msg_type};
+use shelfsync_telemetry::names;
+use tracing::{Instrument, error, warn};
+
+use crate::failpoint;
+use crate::outbox::smaller;
+use crate::stats::Stats;
+use crate::store::{OUTBOX_PEEK, Store, StoreError};
+
+/// How many times an entry JetStream refuses (other than for its size) is
+/// tried before it is kept aside.
+const REFUSED_ATTEMPTS: u32 = 10;
+
+/// Why a relay did not finish; the outbox stays as it is and is relayed
+/// again.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RelayError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Publish(#[from] PublishFailed),
+    #[error("cannot read {subject} back from the stream: {detail}")]
+    ReadBack { subject: String, detail: String },
+    /// Fault injection only (`lose_relay_ack`): the messages are stored,
+    /// their acks taken as lost.
+    #[error("publish acks lost (fault injection)")]
+    AckLost,
+}
+
+pub(crate) struct Relay {
+    partition: Partition,
+    store: Store,
+    js: jetstream::Context,
+    subjects: Subjects,
+    publisher: Publisher,
+    stats: Arc<Stats>,
+    /// Per stream, the last sequence its info reported at start.
+    known: HashMap<String, u64>,
+    /// A publish may have landed without an ack seen: read back first.
+    uncertain: bool,
+    /// Entries refused as too large (message ids): published in pieces.
+    too_large: HashSet<String>,
+    /// Entries refused otherwise (message ids): attempts so far.
+    refused: HashMap<String, u32>,
+}
+
+impl Relay {
+    /// A relay that reads back before its first publish: a previous owner
+    /// of the partition may have published without trimming.
+    pub async fn start(
+        partition: Partition,
+        store: Store,
+        js: jetstream::Context,
+        subjects: Subjects,
+        max_inflight: usize,
+        stats: Arc<Stats>,
+    ) -> Relay {
+        let publisher = Publisher::new(js.clone(), max_inflight);
+        let mut relay = Relay {
+            partition,
+            store,
+            js,
+            subjects,
+            publisher,
+            stats,
+            known: HashMap::new(),
+            uncertain: true,
+            too_large: HashSet::new(),
+            refused: HashMap::new(),
+        };
+        for stream in [relay.subjects.changes_stream(), relay.subjects.rejects_stream()] {
+            relay.learn(&stream).await;
+        }
+        relay
+    }
+
+    async fn learn(&mut self, stream: &str) {
+        match self.js.get_stream(stream).await {
+            Ok(mut s) => match s.info().await {
+                Ok(info) => {
+                    self.known.insert(stream.to_string(), info.state.last_sequence);
+                }
+                Err(e) => warn!(partition = %self.partition, stream, error = %e, "stream info failed"),
+            },
+            Err(e) => warn!(partition = %self.partition, stream, error = %e, "stream info failed"),
+        }
+    }
+
+    /// The floors new entries carry: for the CHANGES and the REJECTS stream,
+    /// a sequence at or below where a message published from now on lands.
+    pub fn floors(&self) -> (u64, u64) {
+        let floor = |stream: String| {
+            let known = self.known.get(&stream).copied().unwrap_or(0);
+            known.max(self.publisher.last_sequence(&stream))
+        };
+        (floor(self.subjects.changes_stream()), floor(self.subjects.rejects_stream()))
+    }
+
+    fn stream_of(&self, e: &OutboxEntry) -> String {
+        if e.msg_type == msg_type::REJECTION_BATCH {
+            self.subjects.rejects_stream()
+        } else {
+            self.subjects.changes_stream()
+        }
+    }
+
+    /// Publishes the outbox from its head and trims what is stored, until it
+    /// is empty. Returns how many entries went out.
+    pub async fn relay(&mut self) -> Result<usize, RelayError> {
+        let result = self.relay_all().await;
+        if result.is_err() {
+            self.uncertain = true;
+        }
+        result
+    }
+
+    async fn relay_all(&mut self) -> Result<usize, RelayError> {
+        let mut total = 0;
+        loop {
+            let entries = self.store.outbox_peek(self.partition.0, OUTBOX_PEEK).await?;
+            if entries.is_empty() {
+                self.uncertain = false;
+                return Ok(total);
+            }
+            let stored = if self.uncertain {
+                self.stored_ids(&entries).await?
+            } else {
+                HashSet::new()
+            };
+            let contexts: Vec<_> = entries
+                .iter()
+                .map(|e| shelfsync_telemetry::from_parts(&e.traceparent, &e.tracestate))
+                .collect();
+            // Relaying entries of several command messages: link them all.
+            shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
+            let mut again = 0u64;
+            for (e, cx) in entries.iter().zip(contexts) {
+                if stored.contains(&e.msg_id) {
+                    again += 1;
+                    continue;
+                }
+                if self.too_large.contains(&e.msg_id) {
+                    self.publish_smaller(e, &stored).await?;
+                    continue;
+                }
+                if self.refused.get(&e.msg_id).is_some_and(|n| *n >= REFUSED_ATTEMPTS) {
+                    self.bury(e, "refused").await?;
+                    continue;
+                }
+                let span = shelfsync_telemetry::send_span!(
+                    "storage.relay",
+                    e.subject,
+                    partition = self.partition.0,
+                );
+                shelfsync_telemetry::set_parent(&span, cx);
+                let headers = relay_headers(&span, e);
+                let sent = self
+                    .publisher
+                    .publish(
+                        e.subject.clone(),
+                        e.msg_id.clone(),
+                        &e.msg_type,
+                        headers,
+                        e.payload.clone().into(),
+                    )
+                    .instrument(span)
+                    .await;
+                if let Err(failed) = sent {
+                    self.note_failure(&failed);
+                    // What went before it is still awaited; either way the
+                    // next attempt reads back what is stored.
+                    let _ = self.publisher.flush().await;
+                    return Err(failed.into());
+                }
+            }
+            if let Err(failed) = self.publisher.flush().await {
+                self.note_failure(&failed);
+                return Err(failed.into());
+            }
+            if failpoint::triggered("lose_relay_ack") {
+                return Err(RelayError::AckLost);
+            }
+            failpoint::hit("after_outbox_publish");
+            self.store.outbox_trim(self.partition.0, entries.len()).await?;
+            if again > 0 {
+                metrics::counter!(names::OUTBOX_ALREADY_STORED).increment(again);
+            }
+            total += entries.len();
+            self.stats.add(&self.stats.published, entries.len() as u64);
+            let change_bytes: usize = entries
+                .iter()
+                .filter(|e| e.msg_type == msg_type::CHANGE_BATCH)
+                .map(|e| e.payload.len())
+                .sum();
+            self.stats.add(&self.stats.change_bytes, change_bytes as u64);
+        }
+    }
+
+    /// Remembers what a failed publish says about its entry.
+    fn note_failure(&mut self, failed: &PublishFailed) {
+        match failed.failure() {
+            Failure::TooLarge => {
+                self.too_large.insert(failed.msg_id.clone());
+            }
+            Failure::Refused(_) => *self.refused.entry(failed.msg_id.clone()).or_default() += 1,
+            Failure::Unknown => {}
+        }
+    }
+
+    /// The message ids stored on the subjects of `entries` after their
+    /// floors (read back with direct reads of the stream, oldest first).
+    async fn stored_ids(&mut self, entries: &[OutboxEntry]) -> Result<HashSet<String>, RelayError> {
+        let mut floors: HashMap<(&str, String), u64> = HashMap::new();
+        for e in entries {
+            let floor = floors.entry((e.subject.as_str(), self.stream_of(e))).or_insert(u64::MAX);
+            *floor = (*floor).min(e.stream_floor);
+        }
+        let mut ids = HashSet::new();
+        for ((subject, stream), floor) in floors {
+            let read_err = |detail: String| RelayError::ReadBack { subject: subject.into(), detail };
+            let stream =
+                self.js.get_stream_no_info(&stream).await.map_err(|e| read_err(e.to_string()))?;
+            let mut next = floor.saturating_add(1);
+            loop {
+                match stream.get_first_raw_message_by_subject(subject, next).await {
+                    Ok(m) => {
+                        if let Some(id) = m.headers.get(async_nats::header::NATS_MESSAGE_ID) {
+                            ids.insert(id.as_str().to_string());
+                        }
+                        next = m.sequence + 1;
+                    }
+                    Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+                    Err(e) => return Err(read_err(e.to_string())),
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Publishes an entry refused as too large in pieces (halves, then a
+    /// reduced item), one at a time with its ack; what cannot be made
+    /// smaller is kept aside.
+    async fn publish_smaller(
+        &mut self,
+        entry: &OutboxEntry,
+        stored: &HashSet<String>,
+    ) -> Result<(), RelayError> {
+        let mut todo = vec![entry.clone()];
+        while let Some(e) = todo.pop() {
+            let pieces = match smaller(&e) {
+                Some(p) => p,
+                None => {
+                    self.bury(&e, "too_large").await?;
+                    continue;
+                }
+            };
+            // In order: the last piece is pushed first.
+            for piece in pieces.into_iter().rev() {
+                if stored.contains(&piece.msg_id) {
+                    continue;
+                }
+                let sent = async {
+                    self.publisher
+                        .publish(
+                            piece.subject.clone(),
+                            piece.msg_id.clone(),
+                            &piece.msg_type,
+                            None,
+                            piece.payload.clone().into(),
+                        )
+                        .await?;
+                    self.publisher.flush().await
+                }
+                .await;
+                match sent {
+                    Ok(()) => {
+                        metrics::counter!(names::OUTBOX_REDUCED).increment(1);
+                    }
+                    Err(f) if f.is_too_large() => todo.push(piece),
+                    Err(f) => return Err(f.into()),
+                }
+            }
+        }
+        self.too_large.remove(&entry.msg_id);
+        Ok(())
+    }
+
+    /// Keeps an entry that cannot be published aside, so that the partition
+    /// moves on; logged once (the entry is trimmed right after).
+    async fn bury(&mut self, e: &OutboxEntry, reason: &'static str) -> Result<(), RelayError> {
+        self.store.outbox_bury(self.partition.0, e).await?;
+        self.refused.remove(&e.msg_id);
+        self.too_large.remove(&e.msg_id);
+        error!(
+            partition = %self.partition, subject = %e.subject, msg_id = %e.msg_id,
+            bytes = e.payload.len(), reason,
+            "an outbox entry cannot be published; kept aside (shelfsync dead-letters) and skipped"
+        );
+        metrics::counter!(names::OUTBOX_UNPUBLISHABLE, "reason" => reason).increment(1);
+        Ok(())
+    }
+}
+
+/// Headers of a relayed entry: `None` lets the publisher inject the relay
+/// span's context; without tracing the stored context is passed on as is.
+fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::HeaderMap> {
+    if e.traceparent.is_empty()
+        || shelfsync_telemetry::is_valid(&shelfsync_telemetry::context_of(span))
+    {
+        return None;
+    }
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(shelfsync_telemetry::TRACEPARENT, e.traceparent.as_str());
+    if !e.tracestate.is_empty() {
+        headers.insert(shelfsync_telemetry::TRACESTATE, e.tracestate.as_str());
+    }
+    Some(headers)
+}

@@ -1,0 +1,377 @@
+//! A command message carrying sweeps, applied in bounded steps: never one
+//! Redis call for a whole place, whatever its size.
+//!
+//! For each sweep: a census of the place (HSCAN steps over its generation
+//! column, read only) decides it (`apply::sweep::decide`); a held or refused
+//! sweep is recorded in one commit; an applied one marks the place's
+//! candidates absent [`SWEEP_STEP`] records per commit. Every commit is
+//! fenced like any other and records how far the message got in the
+//! partition's step (`{ns:pN}:step`), so a crash anywhere resumes where the
+//! last commit left off: the message comes back, the commands and sweeps
+//! already done are not done again, and a sweep being applied starts its
+//! scan over — marking is idempotent (an absent record is no candidate), and
+//! each mark was committed with its change. The partition's applied sequence
+//! moves only with the message's last commit. The other partitions go on
+//! meanwhile; this one finishes the message before its next one.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use tokio::sync::watch;
+use shelfsync_proto::{CommandBatch, RecordKey, Rejection, Sweep, SweepOutcome};
+use tracing::{debug, warn};
+
+use crate::apply::sweep::{self, Census, Decision};
+use crate::apply::{apply_batch, reason};
+use crate::outbox::TraceParts;
+use crate::relay::Relay;
+use crate::store::{Commit, Fence, Position, StoreError, Writes};
+use crate::worker::{HandleError, Handled, Worker};
+
+/// Records one sweep step marks absent at most (and generation entries one
+/// census step reads).
+pub(crate) const SWEEP_STEP: usize = 1000;
+/// How often a long message tells JetStream it is still being worked on.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// How far a message applied in steps got, as kept in `{ns:pN}:step`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Step {
+    seq: u64,
+    commands_done: bool,
+    /// Index of the sweep in hand.
+    sweep: usize,
+    /// The sweep in hand was decided "apply", with this census.
+    applying: Option<Census>,
+    marked: u64,
+    /// Next outbox part number of the message.
+    part: u32,
+}
+
+impl Step {
+    fn new(seq: u64) -> Self {
+        Step { seq, ..Default::default() }
+    }
+
+    fn encode(&self) -> String {
+        let (live, candidates) = self.applying.map_or((0, 0), |c| (c.live, c.candidates));
+        format!(
+            "{}|{}|{}|{}|{live}|{candidates}|{}|{}",
+            self.seq,
+            u8::from(self.commands_done),
+            self.sweep,
+            u8::from(self.applying.is_some()),
+            self.marked,
+            self.part
+        )
+    }
+
+    fn decode(s: &str) -> Option<Step> {
+        let f: Vec<&str> = s.split('|').collect();
+        let [seq, commands, sweep, applying, live, candidates, marked, part] = f.as_slice() else {
+            return None;
+        };
+        let census = Census { live: live.parse().ok()?, candidates: candidates.parse().ok()? };
+        Some(Step {
+            seq: seq.parse().ok()?,
+            commands_done: *commands == "1",
+            sweep: sweep.parse().ok()?,
+            applying: (*applying == "1").then_some(census),
+            marked: marked.parse().ok()?,
+            part: part.parse().ok()?,
+        })
+    }
+}
+
+/// What every step of a message commits and relays with.
+struct StepCtx<'a> {
+    fence: &'a mut Fence,
+    trace: &'a TraceParts,
+    relay: &'a mut Relay,
+    shutdown: &'a mut watch::Receiver<bool>,
+}
+
+/// Keeps JetStream from redelivering a message that takes long.
+struct KeepAlive<'a> {
+    msg: &'a jetstream::Message,
+    last: Instant,
+}
+
+impl KeepAlive<'_> {
+    async fn tick(&mut self) {
+        if self.last.elapsed() >= PROGRESS_EVERY {
+            self.last = Instant::now();
+            let _ = self.msg.ack_with(AckKind::Progress).await;
+        }
+    }
+}
+
+impl Worker {
+    /// Applies command message `seq` (its commands, then its sweeps) in
+    /// bounded, resumable steps.
+    pub(crate) async fn apply_in_steps(
+        &self,
+        msg: &jetstream::Message,
+        seq: u64,
+        batch: &CommandBatch,
+        trace: &TraceParts,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Handled, HandleError> {
+        let p = self.partition.0;
+        let at = self.store.position(p).await?;
+        if seq <= at.applied {
+            return Ok(Handled::Skipped);
+        }
+        let mut step = match Step::decode(&at.step) {
+            Some(s) if s.seq == seq => s,
+            None if at.step.is_empty() => Step::new(seq),
+            _ => return Err(HandleError::StepOfAnother { seq, step: at.step.clone() }),
+        };
+        let mut fence = Fence { at, stream: self.stream_identity() };
+        let mut alive = KeepAlive { msg, last: Instant::now() };
+        if !step.commands_done && !batch.commands.is_empty() {
+            let commands = CommandBatch { sweeps: Vec::new(), ..batch.clone() };
+            let mut loaded = self.store.load(p, &commands).await?;
+            if loaded.at != fence.at {
+                return Err(HandleError::Fenced);
+            }
+            let outcome = apply_batch(&commands, &mut loaded.slots, &Default::default(), &self.limits());
+            step.commands_done = true;
+            let (outbox, next_part) = self.outbox(trace, relay).entries(
+                seq,
+                &seq.to_string(),
+                step.part,
+                outcome.changes.clone(),
+                outcome.rejections.clone(),
+            );
+            step.part = next_part;
+            let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+            self.commit_step(&mut fence, &step, batch.sweeps.is_empty(), &writes, relay, shutdown)
+                .await?;
+            self.note_changed(&loaded.slots);
+            self.count_applied(&commands, outcome.changes.len() as u64, &outcome);
+        }
+        step.commands_done = true;
+        while step.sweep < batch.sweeps.len() {
+            let s = &batch.sweeps[step.sweep];
+            let last = step.sweep + 1 == batch.sweeps.len();
+            let census = match step.applying {
+                Some(census) => census,
+                None => {
+                    let census = self.census(s, &mut alive).await?;
+                    let held = self.store.held(p, s.brand_id, s.place_id).await?;
+                    match sweep::decide(s, census, held.as_ref()) {
+                        Decision::Apply => census,
+                        decision => {
+                            let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown: &mut *shutdown };
+                            self.skip_sweep(seq, s, &mut step, decision, census, last, ctx).await?;
+                            self.stats.add(&self.stats.sweeps, 1);
+                            continue;
+                        }
+                    }
+                }
+            };
+            step.applying = Some(census);
+            let mut cursor = 0;
+            loop {
+                alive.tick().await;
+                let (next, column) =
+                    self.store.scan_gens(p, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
+                let ids: Vec<String> = column
+                    .into_iter()
+                    .filter(|(_, e)| sweep::is_candidate(e, s.generation))
+                    .map(|(id, _)| id)
+                    .collect();
+                if !ids.is_empty() {
+                    let mut slots = self.store.load_place(p, s.brand_id, s.place_id, &ids).await?;
+                    let now = Self::now_us();
+                    let mut changes = Vec::new();
+                    for id in &ids {
+                        let k = (s.brand_id, s.place_id, id.clone());
+                        if let Some(slot) = slots.get_mut(&k)
+                            && let Some(c) = sweep::mark_absent(s, &k, slot, now)
+                        {
+                            changes.push(c);
+                        }
+                    }
+                    if !changes.is_empty() {
+                        step.marked += changes.len() as u64;
+                        let (outbox, next_part) = self.outbox(trace, relay).entries(
+                            seq,
+                            &seq.to_string(),
+                            step.part,
+                            changes.clone(),
+                            Vec::new(),
+                        );
+                        step.part = next_part;
+                        let writes = Writes { slots: Some(&slots), outbox: &outbox, sweeps: &[] };
+                        self.commit_step(&mut fence, &step, false, &writes, relay, shutdown)
+                            .await?;
+                        self.note_changed(&slots);
+                        self.stats.add(&self.stats.changes, changes.len() as u64);
+                        metrics::counter!(shelfsync_telemetry::names::CHANGES_EMITTED)
+                            .increment(changes.len() as u64);
+                    }
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+            let mut outcome = sweep::outcome(s, Decision::Apply, census, step.marked, Self::now_us());
+            outcome.command_seq = seq;
+            debug!(
+                partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
+                live = census.live, marked_absent = step.marked, "sweep applied"
+            );
+            metrics::counter!(shelfsync_telemetry::names::SWEEPS_APPLIED).increment(1);
+            step.sweep += 1;
+            step.applying = None;
+            step.marked = 0;
+            let writes = Writes { slots: None, outbox: &[], sweeps: std::slice::from_ref(&outcome) };
+            self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
+            self.stats.add(&self.stats.sweeps, 1);
+        }
+        self.stats.add(&self.stats.batches, 1);
+        Ok(Handled::Applied)
+    }
+
+    /// Records a sweep that is held or refused (nothing marked); a held one
+    /// is also published as a `sweep_held` rejection on the place's subject.
+    #[allow(clippy::too_many_arguments)]
+    async fn skip_sweep(
+        &self,
+        seq: u64,
+        s: &Sweep,
+        step: &mut Step,
+        decision: Decision,
+        census: Census,
+        last: bool,
+        ctx: StepCtx<'_>,
+    ) -> Result<(), HandleError> {
+        let StepCtx { fence, trace, relay, shutdown } = ctx;
+        let mut outcome = sweep::outcome(s, decision, census, 0, Self::now_us());
+        outcome.command_seq = seq;
+        let mut rejections = Vec::new();
+        if let Decision::Hold(why) = decision {
+            warn!(
+                partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
+                import_id = %s.import_id, why, live = census.live, would_mark_absent = census.candidates,
+                "sweep held, nothing marked absent (release it with `shelfsync sweep --import`)"
+            );
+            metrics::counter!(shelfsync_telemetry::names::SWEEPS_HELD, "reason" => why).increment(1);
+            rejections.push(held_notice(s, &outcome));
+        } else {
+            warn!(
+                partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
+                import_id = %s.import_id, why = %outcome.reason, "sweep refused, nothing marked absent"
+            );
+        }
+        let (outbox, next_part) =
+            self.outbox(trace, relay).entries(seq, &seq.to_string(), step.part, Vec::new(), rejections);
+        step.part = next_part;
+        step.sweep += 1;
+        step.applying = None;
+        step.marked = 0;
+        let writes = Writes { slots: None, outbox: &outbox, sweeps: std::slice::from_ref(&outcome) };
+        self.commit_step(fence, step, last, &writes, relay, shutdown).await
+    }
+
+    /// Counts the place's live records and the sweep's candidates, in HSCAN
+    /// steps.
+    async fn census(&self, s: &Sweep, alive: &mut KeepAlive<'_>) -> Result<Census, StoreError> {
+        let mut census = Census::default();
+        let mut seen = std::collections::HashSet::new();
+        let mut cursor = 0;
+        loop {
+            alive.tick().await;
+            let (next, column) =
+                self.store.scan_gens(self.partition.0, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
+            for (id, e) in column {
+                // A rehash can return a field twice.
+                if seen.insert(xxhash_rust::xxh3::xxh3_64(id.as_bytes())) {
+                    census.count(&e, s.generation);
+                }
+            }
+            if next == 0 {
+                return Ok(census);
+            }
+            cursor = next;
+        }
+    }
+
+    /// Commits one step: the partition moves to `step` — or, with `last`,
+    /// to the message applied whole — and the outbox is relayed.
+    async fn commit_step(
+        &self,
+        fence: &mut Fence,
+        step: &Step,
+        last: bool,
+        writes: &Writes<'_>,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<(), HandleError> {
+        let to = if last {
+            Position::at(step.seq)
+        } else {
+            Position { applied: fence.at.applied, step: step.encode() }
+        };
+        match self.store.commit(self.partition.0, fence, &to, writes).await? {
+            Commit::Done => {}
+            Commit::Fenced => return Err(HandleError::Fenced),
+        }
+        fence.at = to;
+        self.wait_replicas().await?;
+        self.relay_until_done(relay, shutdown).await;
+        if *shutdown.borrow() && !last {
+            return Err(HandleError::Stopping);
+        }
+        Ok(())
+    }
+}
+
+/// A held sweep as a rejection on its place's subject, so that it shows on
+/// the REJECTS stream next to the rejected items of the import.
+fn held_notice(s: &Sweep, outcome: &SweepOutcome) -> Rejection {
+    Rejection {
+        reason: reason::SWEEP_HELD.into(),
+        detail: format!(
+            "sweep of import {} held ({}): it would mark {} of {} live records absent; \
+             release it with `shelfsync sweep --import {}`",
+            s.import_id, outcome.reason, outcome.candidates, outcome.live, s.import_id
+        ),
+        key: Some(RecordKey::new(s.brand_id, s.place_id, "")),
+        origin: Some(shelfsync_proto::Origin {
+            source: s.source.clone(),
+            import_id: s.import_id.clone(),
+            published_at: 0,
+        }),
+        sweep: Some(outcome.clone()),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_survives_its_encoding() {
+        for step in [
+            Step::new(7),
+            Step {
+                seq: 12,
+                commands_done: true,
+                sweep: 2,
+                applying: Some(Census { live: 300, candidates: 12 }),
+                marked: 5,
+                part: 9,
+            },
+        ] {
+            assert_eq!(Step::decode(&step.encode()), Some(step));
+        }
+        assert_eq!(Step::decode("garbage"), None);
+        assert_eq!(Step::decode(""), None);
+    }
+}
