@@ -2,7 +2,10 @@
 //! redis-server from the testkit) on a generated nested or NDJSON dump, and
 //! prints items/s and the peak RSS of this process.
 //!
-//! `cargo run --release -p shelfsync-ingest --example bench_import -- [MB] [nested|ndjson] [parse|import]`
+//! `cargo run --release -p shelfsync-ingest --example bench_import -- [MB] [nested|late-brand|ndjson] [parse|import]`
+//!
+//! `late-brand` is the nested format with `brand_id` after `places`, which the parser
+//! spools to a temporary file before parsing it.
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,11 +16,18 @@ use shelfsync_ingest::{Importer, Source};
 use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
 
 /// Writes about `mb` MiB of feed, 10 000 items per place; returns the item count.
-fn generate(path: &std::path::Path, mb: usize, ndjson: bool) -> std::io::Result<u64> {
+fn generate(
+    path: &std::path::Path,
+    mb: usize,
+    ndjson: bool,
+    late_brand: bool,
+) -> std::io::Result<u64> {
     let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
     let (mut written, mut items, mut place) = (0, 0, 0);
-    if !ndjson {
-        write!(w, r#"{{"brand_id":7,"places":["#)?;
+    match (ndjson, late_brand) {
+        (true, _) => {}
+        (false, false) => write!(w, r#"{{"brand_id":7,"places":["#)?,
+        (false, true) => write!(w, r#"{{"places":["#)?,
     }
     while written < mb << 20 {
         if !ndjson {
@@ -43,8 +53,10 @@ fn generate(path: &std::path::Path, mb: usize, ndjson: bool) -> std::io::Result<
         }
         place += 1;
     }
-    if !ndjson {
-        write!(w, "]}}")?;
+    match (ndjson, late_brand) {
+        (true, _) => {}
+        (false, false) => write!(w, "]}}")?,
+        (false, true) => write!(w, r#"],"brand_id":7}}"#)?,
     }
     Ok(items)
 }
@@ -65,11 +77,12 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let mb: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100);
     let ndjson = args.get(2).is_some_and(|s| s == "ndjson");
+    let late_brand = args.get(2).is_some_and(|s| s == "late-brand");
     let import = args.get(3).is_some_and(|s| s == "import");
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("feed");
-    let items = generate(&path, mb, ndjson)?;
-    println!("{mb} MiB, {items} items, ndjson: {ndjson}");
+    let items = generate(&path, mb, ndjson, late_brand)?;
+    println!("{mb} MiB, {items} items, ndjson: {ndjson}, brand after places: {late_brand}");
     let started = Instant::now();
     if !import {
         let rules = ItemRules { brand_id: 7, owned: OwnedFields::ALL, max_item_bytes: 64 * 1024 };
@@ -105,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
         poll_interval: None,
         format: FeedFormat::Auto,
         clear_missing: true,
+        ..Default::default()
     };
     let importer = Importer::connect(Arc::new(settings)).await?;
     let started = Instant::now();

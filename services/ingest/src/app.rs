@@ -1,20 +1,26 @@
 //! The ingest service: one poll loop per partner with a `source` and a
 //! `poll_interval`, and an HTTP server for pushed feeds, probes and
-//! Prometheus `/metrics`. At most one import per partner runs at a time,
-//! whoever started it.
+//! Prometheus `/metrics`. At most one import per partner runs at a time in
+//! the process (a lock), and one full import per partner across every
+//! replica and the CLI (the importer's lease): the service never waits for
+//! a lease held elsewhere — a poll skips that round, a push gets 409. A push
+//! needs the partner's bearer token (`auth`) and a body within the partner's
+//! limit; both are checked before the import is started, so a refused push
+//! publishes nothing.
 
 use std::collections::HashMap;
 use std::future::{Future, IntoFuture};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
@@ -25,6 +31,7 @@ use tokio::task::JoinSet;
 use tokio_util::io::StreamReader;
 use tracing::{debug, info, warn};
 
+use crate::auth::{PushAuth, Refusal};
 use crate::import::Importer;
 use crate::report::ImportError;
 use crate::source::Source;
@@ -40,6 +47,7 @@ struct AppState {
     importer: Arc<Importer>,
     settings: Arc<Settings>,
     locks: Locks,
+    auth: Arc<PushAuth>,
 }
 
 pub struct App {
@@ -49,8 +57,13 @@ pub struct App {
 }
 
 impl App {
-    /// Connects (NATS in the background, Redis now) and binds the listener.
+    /// Reads the partners' push tokens (from their files and the process
+    /// environment), connects (NATS in the background, Redis now) and binds
+    /// the listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        let auth = PushAuth::load(&settings, |var| std::env::var(var).ok())
+            .context("cannot load the push tokens")?;
+        let auth = Arc::new(auth);
         let settings = Arc::new(settings);
         let importer = Arc::new(Importer::connect_with(settings.clone(), true).await?);
         let listen = &settings.ingest.listen;
@@ -60,7 +73,8 @@ impl App {
         let addr = listener.local_addr()?;
         let locks =
             settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
-        Ok(App { state: AppState { importer, settings, locks: Arc::new(locks) }, listener, addr })
+        let state = AppState { importer, settings, locks: Arc::new(locks), auth };
+        Ok(App { state, listener, addr })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -84,6 +98,8 @@ impl App {
             .route("/v1/partners/{name}/feed", post(push))
             .with_state(self.state.clone());
         let mut wait = stopped.clone();
+        // The peer's address is what a refusal is logged once per.
+        let router = router.into_make_service_with_connect_info::<SocketAddr>();
         let server = axum::serve(self.listener, router)
             .with_graceful_shutdown(async move { _ = wait.wait_for(|s| *s).await })
             .into_future();
@@ -117,31 +133,67 @@ fn error(status: StatusCode, message: String) -> Response {
 }
 
 /// `POST /v1/partners/{name}/feed`: the body is the feed, streamed into the
-/// importer; the answer is the report.
-async fn push(State(app): State<AppState>, Path(name): Path<String>, body: Body) -> Response {
-    let (Some(partner), Some(lock)) = (app.settings.partner(&name), app.locks.get(&name)) else {
-        return error(StatusCode::NOT_FOUND, format!("unknown partner `{name}`"));
+/// importer; the answer is the report. The credentials, then the declared
+/// size, are checked before the partner's lock is taken or the importer
+/// touched: a refused push publishes nothing.
+async fn push(
+    State(app): State<AppState>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let remote = remote.ip();
+    let checked = {
+        let (auth, name, headers) = (app.auth.clone(), name.clone(), headers.clone());
+        // It may re-read a changed tokens file.
+        tokio::task::spawn_blocking(move || auth.check(&headers, &name)).await
     };
+    match checked {
+        Ok(Ok(())) => {}
+        Ok(Err(refusal)) => return app.auth.refuse(remote, &name, refusal),
+        Err(e) => {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, format!("credentials check: {e}"));
+        }
+    }
+    let (Some(partner), Some(lock)) = (app.settings.partner(&name), app.locks.get(&name)) else {
+        return app.auth.refuse(remote, &name, Refusal::UnknownPartner);
+    };
+    let max = partner.push_limit(&app.settings.ingest);
+    let too_large = |what: &str| {
+        let message =
+            format!("{what} is over partner `{name}`'s push limit of {max} bytes (max_push_bytes)");
+        app.auth.refuse_with(remote, &name, Refusal::TooLarge, message)
+    };
+    if declared_length(&headers).is_some_and(|n| n > max) {
+        return too_large("the declared Content-Length");
+    }
     let Ok(_running) = lock.try_lock() else {
         return error(StatusCode::CONFLICT, format!("an import of `{name}` is already running"));
     };
-    let max = app.settings.ingest.max_push_bytes;
     let mut seen = 0u64;
-    let body = body.into_data_stream().map(move |chunk| {
-        let chunk = chunk.map_err(io::Error::other)?;
-        seen += chunk.len() as u64;
-        if seen > max {
-            return Err(io::Error::other(format!(
-                "the body is over ingest.max_push_bytes = {max}"
-            )));
+    let over = Arc::new(AtomicBool::new(false));
+    let body = body.into_data_stream().map({
+        let over = over.clone();
+        move |chunk| {
+            let chunk = chunk.map_err(io::Error::other)?;
+            seen += chunk.len() as u64;
+            if seen > max {
+                over.store(true, Ordering::SeqCst);
+                return Err(io::Error::other(format!("the body is over max_push_bytes = {max}")));
+            }
+            Ok(chunk)
         }
-        Ok(chunk)
     });
     let source = Source::Stream(Box::new(StreamReader::new(Box::pin(body))));
     let (report, result) = app.importer.run(partner, source, None).await;
     let status = match &result {
         Ok(()) => return Json(report).into_response(),
+        // The import failed at the limit (nothing swept); what it read
+        // before stays published, as for any failed import.
+        Err(_) if over.load(Ordering::SeqCst) => return too_large("the body"),
         Err(e) if e.is_bad_feed() => StatusCode::BAD_REQUEST,
+        Err(ImportError::Busy { .. }) => StatusCode::CONFLICT,
         Err(ImportError::Source { .. }) => StatusCode::BAD_REQUEST,
         Err(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
@@ -149,11 +201,19 @@ async fn push(State(app): State<AppState>, Path(name): Path<String>, body: Body)
     (status, Json(json!({ "error": message, "report": report }))).into_response()
 }
 
+/// The `Content-Length` a request declares, if any (hyper has checked that
+/// it is a number and that the body matches it).
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
 /// Imports `partner.source` every `poll_interval`, the first time at once.
 async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::Receiver<bool>) {
     let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else {
         return;
     };
+    metrics::gauge!(shelfsync_telemetry::names::INGEST_POLL_INTERVAL, "partner" => partner.name.clone())
+        .set(every.as_secs_f64());
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A file is imported again only when its modification time or size changed.
@@ -182,8 +242,12 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::
             continue;
         }
         // The importer logs and records the outcome; a failed file is retried.
-        if app.importer.import(&partner, source, None).await.is_ok() {
-            last_file = file_sig;
+        match app.importer.import(&partner, source, None).await {
+            Ok(_) => last_file = file_sig,
+            Err(ImportError::Busy { holder, .. }) => {
+                info!(partner = %partner.name, holder, "another import holds the lease, poll skipped");
+            }
+            Err(_) => {}
         }
     }
 }

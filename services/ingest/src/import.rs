@@ -2,6 +2,13 @@
 //! batch and publish commands and rejections, sweep after a good full
 //! import, report.
 //!
+//! A full import holds its partner's lease (see `lease`) from before its
+//! source is opened to its report: a second one, in any process, waits or
+//! fails with [`ImportError::Busy`]; a lost lease stops the import where it
+//! is (no sweep), and the lease is confirmed right before the sweeps. Its id
+//! and generation are stamped when it gets the lease, so generations follow
+//! the order in which the imports of a partner ran.
+//!
 //! The parser thread and the async publisher are joined by a small bounded
 //! channel, and JetStream acks in flight are bounded by the `Publisher`, so
 //! memory does not grow with the feed: a slow NATS slows the parser down.
@@ -10,7 +17,7 @@
 //! message goes out in a PRODUCER span `send <subject>` (`ingest.send`)
 //! whose context the message carries to storage.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Read};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,15 +29,19 @@ use prost::Message;
 use shelfsync_bus::{
     CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of,
 };
-use shelfsync_proto::{Command, CommandBatch, Rejection, RejectionBatch, Sweep, msg_type};
+use shelfsync_proto::{
+    Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
+    SweepsRequest, msg_type,
+};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_telemetry::names;
 use tokio::sync::mpsc;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::feed::{FeedEvent, Stopped, parse_feed};
 use crate::item::{CommandContext, ItemRules, OwnedFields, to_command, to_rejection};
-use crate::report::{ImportError, ImportReport, ImportStatus, Progress};
+use crate::lease::{Holder, Lease};
+use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
 use crate::state::State;
 
@@ -41,6 +52,8 @@ const CHANNEL_CHUNKS: usize = 16;
 /// Rejections per message.
 const REJECTS_PER_BATCH: usize = 100;
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+/// How often the outcomes of an import's sweeps are asked for.
+const SWEEP_POLL: Duration = Duration::from_millis(200);
 
 /// Called now and then with running counts.
 pub type ProgressFn<'a> = Option<&'a (dyn Fn(&Progress) + Send + Sync)>;
@@ -54,6 +67,8 @@ pub struct Importer {
     subjects: Subjects,
     state: State,
     http: reqwest::Client,
+    /// How long a full import waits for its partner's lease (0: fails at once).
+    lease_wait: Duration,
 }
 
 impl Importer {
@@ -84,7 +99,16 @@ impl Importer {
             .build()
             .context("cannot build the HTTP client")?;
         let subjects = Subjects::new(&settings.nats.prefix);
-        Ok(Importer { settings, client, js, subjects, state, http })
+        let lease_wait = Duration::ZERO;
+        Ok(Importer { settings, client, js, subjects, state, http, lease_wait })
+    }
+
+    /// A full import finding another one of its partner running waits up to
+    /// `wait` for it to end, instead of failing at once with
+    /// [`ImportError::Busy`].
+    pub fn with_lease_wait(mut self, wait: Duration) -> Importer {
+        self.lease_wait = wait;
+        self
     }
 
     pub fn nats_connected(&self) -> bool {
@@ -110,20 +134,27 @@ impl Importer {
         result.map(|()| report)
     }
 
-    /// As [`Importer::import`], with the report also when it failed.
+    /// As [`Importer::import`], with the report also when it failed. An
+    /// import refused because another one holds the lease is not recorded.
     pub async fn run(
         &self,
         partner: &PartnerSettings,
         source: Source,
         progress: ProgressFn<'_>,
     ) -> (ImportReport, Result<(), ImportError>) {
-        let started = now_micros();
+        let full = partner.kind == ImportKind::Full;
+        let (lease, started) = match full {
+            true => {
+                let (lease, started) = self.take_lease(partner, source.describe()).await;
+                (Some(lease), started)
+            }
+            false => (None, now_micros()),
+        };
         let import_id = format!("{}-{started}", partner.name);
         let span =
             tracing::info_span!("ingest.import", partner = %partner.name, import_id = %import_id);
         async {
             let clock = Instant::now();
-            let full = partner.kind == ImportKind::Full;
             let mut report = ImportReport {
                 import_id: import_id.clone(),
                 partner: partner.name.clone(),
@@ -132,7 +163,30 @@ impl Importer {
                 generation: if full { started } else { 0 },
                 ..ImportReport::default()
             };
-            let result = self.run_source(partner, source, &mut report, progress).await;
+            let lease = match lease {
+                None => None,
+                Some(Ok(lease)) => Some(lease),
+                Some(Err(e)) => {
+                    report.status = ImportStatus::Failed;
+                    report.error = Some(e.to_string());
+                    if !matches!(e, ImportError::Busy { .. }) {
+                        self.record(&report).await;
+                    }
+                    return (report, Err(e));
+                }
+            };
+            let result = match &lease {
+                None => self.run_source(partner, source, &mut report, progress, None).await,
+                // A lost lease stops the import wherever it is.
+                Some(lease) => tokio::select! {
+                    biased;
+                    result = self.run_source(partner, source, &mut report, progress, Some(lease)) => result,
+                    reason = lease.lost() => Err(lease.lost_error(reason)),
+                },
+            };
+            if let Some(lease) = lease {
+                lease.release().await;
+            }
             report.duration_ms = clock.elapsed().as_millis() as u64;
             if let Err(e) = &result {
                 report.status = ImportStatus::Failed;
@@ -145,12 +199,32 @@ impl Importer {
         .await
     }
 
+    /// The partner's lease, for a full import, and the import's start (µs):
+    /// stamped at the attempt that got the lease, so that generations follow
+    /// the order in which the imports of a partner ran.
+    async fn take_lease(
+        &self,
+        partner: &PartnerSettings,
+        what: String,
+    ) -> (Result<Lease, ImportError>, i64) {
+        let ttl = self.settings.ingest.import_lease_ttl;
+        let mut started = now_micros();
+        let holder = || {
+            started = now_micros();
+            Holder::this_process(&format!("{}-{started}", partner.name), &what)
+        };
+        let lease = Lease::take(&self.state, &partner.name, ttl, self.lease_wait, holder).await;
+        (lease, started)
+    }
+
     /// Logs the one line of this import and keeps its report.
     async fn record(&self, r: &ImportReport) {
         let (items, rejected, sweeps, bytes_in) = (r.items, r.rejected_total, r.sweeps, r.bytes_in);
         match &r.error {
             None => {
-                info!(status = ?r.status, items, rejected, sweeps, bytes_in, ms = r.duration_ms, "import finished")
+                info!(status = ?r.status, items, rejected, sweeps, bytes_in, ms = r.duration_ms, "import finished");
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+                metrics::gauge!(names::INGEST_LAST_SUCCESS, "partner" => r.partner.clone()).set(now);
             }
             Some(error) => warn!(error, items, rejected, bytes_in, "import failed, nothing swept"),
         }
@@ -166,6 +240,7 @@ impl Importer {
         source: Source,
         report: &mut ImportReport,
         progress: ProgressFn<'_>,
+        lease: Option<&Lease>,
     ) -> Result<(), ImportError> {
         let is_url = matches!(source, Source::Url(_));
         let known = if is_url {
@@ -197,12 +272,19 @@ impl Importer {
             batch_seq: HashMap::new(),
             rejects: (0, Vec::new()),
             reject_seq: 0,
-            places: BTreeSet::new(),
+            places: BTreeMap::new(),
             report,
         };
         run.pipeline(reader, &self.settings.ingest, progress).await?;
         if partner.kind == ImportKind::Full {
-            run.sweep().await?;
+            let seen: BTreeSet<i64> = run.places.keys().copied().collect();
+            let known = self.state.known_places(&partner.name).await?;
+            if let Some(lease) = lease {
+                lease.confirm().await?;
+            }
+            let swept = run.sweep(&known).await?;
+            self.state.add_known_places(&partner.name, &seen).await?;
+            self.sweep_outcomes(partner, &swept, run.report).await?;
         }
         if is_url && fresh != known {
             self.state.save_validators(&partner.name, &fresh).await?;
@@ -244,7 +326,8 @@ struct Run<'a> {
     /// Rejections waiting, all of one place.
     rejects: (i64, Vec<Rejection>),
     reject_seq: u64,
-    places: BTreeSet<i64>,
+    /// Places seen, with how many of their items were accepted.
+    places: BTreeMap<i64, u64>,
     report: &'a mut ImportReport,
 }
 
@@ -340,10 +423,13 @@ impl Run<'_> {
         for event in events {
             match event {
                 Event::Place(place) => {
-                    self.places.insert(place);
+                    self.places.entry(place).or_default();
                 }
                 Event::Command(command) => {
                     self.report.items += 1;
+                    if let Some(k) = &command.key {
+                        *self.places.entry(k.place_id).or_default() += 1;
+                    }
                     for (partition, batch) in self.batcher.push(command) {
                         self.publish_batch(partition, batch).await?;
                     }
@@ -431,11 +517,20 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// One sweep per place seen, each on its place's partition, after every
-    /// command of the import is acked (so storage applies them first).
-    async fn sweep(&mut self) -> Result<(), ImportError> {
+    /// One sweep per place seen and per place of an earlier import missing
+    /// from this one (`known`), each on its place's partition, after every
+    /// command of the import is acked (so storage applies them first). Each
+    /// carries its evidence (items accepted, the partner's
+    /// `sweep_max_fraction`), from which storage decides to apply or hold it.
+    /// Returns the places swept.
+    async fn sweep(&mut self, known: &BTreeSet<i64>) -> Result<Vec<i64>, ImportError> {
         let brand_id = self.partner.brand_id;
-        for place_id in std::mem::take(&mut self.places) {
+        let mut places: BTreeMap<i64, (u64, bool)> =
+            known.iter().map(|&p| (p, (0, true))).collect();
+        for (&place, &accepted) in &self.places {
+            places.insert(place, (accepted, false));
+        }
+        for (&place_id, &(accepted, missing)) in &places {
             let partition = partition_of(brand_id, place_id, self.partitions);
             let batch = CommandBatch {
                 partition: partition.0,
@@ -446,6 +541,12 @@ impl Run<'_> {
                     generation: self.report.generation,
                     source: self.partner.name.clone(),
                     import_id: self.report.import_id.clone(),
+                    guard: Some(SweepGuard {
+                        accepted,
+                        max_fraction: self.partner.sweep_max_fraction,
+                        missing,
+                    }),
+                    release_held: false,
                 }],
             };
             let msg_id = format!("{}:sweep:{place_id}", self.report.import_id);
@@ -453,6 +554,87 @@ impl Run<'_> {
             self.report.sweeps += 1;
         }
         self.publisher.flush().await?;
+        Ok(places.into_keys().collect())
+    }
+}
+
+impl Importer {
+    /// Waits (up to `ingest.sweep_report_wait`) for storage to decide the
+    /// import's sweeps and puts the outcomes in the report: applied, held
+    /// (with counts), or not decided yet.
+    async fn sweep_outcomes(
+        &self,
+        partner: &PartnerSettings,
+        places: &[i64],
+        report: &mut ImportReport,
+    ) -> Result<(), ImportError> {
+        let request = SweepsRequest {
+            import_id: report.import_id.clone(),
+            brand_id: partner.brand_id,
+            place_ids: places.to_vec(),
+        };
+        let deadline = Instant::now() + self.settings.ingest.sweep_report_wait;
+        let mut last = None;
+        while last.as_ref().is_none_or(|r: &SweepsReply| !r.pending.is_empty()) {
+            if last.is_some() {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep(SWEEP_POLL).await;
+            }
+            let asked = self
+                .client
+                .request(self.subjects.read("sweeps"), request.encode_to_vec().into())
+                .await;
+            match asked.map(|m| SweepsReply::decode(m.payload.as_ref())) {
+                Ok(Ok(reply)) if reply.error.is_empty() => last = Some(reply),
+                Ok(Ok(reply)) => {
+                    warn!(error = %reply.error, "storage cannot say how the sweeps went");
+                    if last.is_none() {
+                        last = Some(SweepsReply { pending: places.to_vec(), ..Default::default() });
+                    }
+                }
+                Ok(Err(e)) => return Err(ImportError::Internal(format!("bad SweepsReply: {e}"))),
+                // Storage not answering: the sweeps are applied when it is
+                // back; the report says not decided. With no storage
+                // listening at all there is nothing to wait for.
+                Err(e) => {
+                    debug!(error = %e, "storage did not answer the sweeps request");
+                    if last.is_none() {
+                        last = Some(SweepsReply { pending: places.to_vec(), ..Default::default() });
+                    }
+                    if e.kind() == async_nats::client::RequestErrorKind::NoResponders {
+                        break;
+                    }
+                }
+            }
+        }
+        let reply = last.unwrap_or_default();
+        for o in &reply.outcomes {
+            let Some(s) = &o.sweep else { continue };
+            match o.status.as_str() {
+                "applied" => {
+                    report.sweeps_applied += 1;
+                    report.marked_absent += o.marked_absent;
+                }
+                "held" => report.held_sweeps.push(HeldSweep {
+                    place_id: s.place_id,
+                    reason: o.reason.clone(),
+                    accepted: s.guard.as_ref().map_or(0, |g| g.accepted),
+                    live: o.live,
+                    would_mark_absent: o.candidates,
+                }),
+                _ => {}
+            }
+        }
+        report.sweeps_pending = reply.pending;
+        if !report.held_sweeps.is_empty() {
+            warn!(
+                partner = %partner.name, import_id = %report.import_id, held = report.held_sweeps.len(),
+                "sweeps held: nothing marked absent there (shelfsync sweep --import {})",
+                report.import_id
+            );
+        }
         Ok(())
     }
 }

@@ -8,8 +8,12 @@
 //!   channel → batched, deduplicated publishing → sweeps after a good full
 //!   import → [`ImportReport`];
 //! - `source`: files, HTTP(S) with ETag / If-Modified-Since, pushed streams;
-//! - `state`: ingest's own Redis keys (HTTP validators, last reports);
+//! - `state`: ingest's own Redis keys (HTTP validators, last reports, leases);
+//! - `lease`: one full import per partner at a time, across processes: a
+//!   lease in Redis, renewed while the import runs, checked before it sweeps;
 //! - `report`: the report, the progress counts and [`ImportError`];
+//! - `auth`: who may push a partner's feed (bearer tokens from a file or an
+//!   environment variable, re-read on rotation) and the refusals;
 //! - `app`: the service ([`App`]): poll loops and the push / probe endpoints.
 //!
 //! It publishes commands, sweeps and rejections; it never reads or writes
@@ -17,14 +21,16 @@
 #![forbid(unsafe_code)]
 
 mod app;
+mod auth;
 pub mod feed;
 mod import;
 pub mod item;
+mod lease;
 mod report;
 mod source;
 mod state;
 
 pub use app::{App, shutdown_signal};
 pub use import::{Importer, ProgressFn};
-pub use report::{ImportError, ImportReport, ImportStatus, Progress};
+pub use report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 pub use source::{Source, Validators};

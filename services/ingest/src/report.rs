@@ -39,7 +39,21 @@ pub struct ImportReport {
     pub rejected_total: u64,
     /// Places seen in the feed (listed with no items included).
     pub places: u64,
+    /// Sweeps sent (full imports: one per place seen, and one per place of
+    /// an earlier import missing from this one).
     pub sweeps: u64,
+    /// Of those, the ones storage applied, and the records they marked absent.
+    #[serde(default)]
+    pub sweeps_applied: u64,
+    #[serde(default)]
+    pub marked_absent: u64,
+    /// Sweeps storage held instead of applying (`shelfsync sweep --import`
+    /// releases them).
+    #[serde(default)]
+    pub held_sweeps: Vec<HeldSweep>,
+    /// Places whose sweep storage had not decided when the report was made.
+    #[serde(default)]
+    pub sweeps_pending: Vec<i64>,
     /// Command batch messages (sweeps not included).
     pub batches: u64,
     /// Raw feed bytes read.
@@ -50,6 +64,19 @@ pub struct ImportReport {
     /// The generation stamped on commands: import start (µs) for a full
     /// import, 0 for a delta.
     pub generation: i64,
+}
+
+/// A sweep storage held: nothing of the place was marked absent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HeldSweep {
+    pub place_id: i64,
+    /// `no_item_accepted`, `missing_from_dump` or `over_fraction`.
+    pub reason: String,
+    /// Items of the place this import accepted.
+    pub accepted: u64,
+    /// Live records of the place, and how many the sweep would mark absent.
+    pub live: u64,
+    pub would_mark_absent: u64,
 }
 
 impl ImportReport {
@@ -77,7 +104,34 @@ impl ImportReport {
                 self.rejected.iter().map(|(r, n)| format!("{r} {n}")).collect();
             _ = write!(out, " ({})", reasons.join(", "));
         }
-        _ = write!(out, "\n  places     {}, {} swept", self.places, self.sweeps);
+        _ = write!(out, "\n  places     {}", self.places);
+        if self.sweeps > 0 {
+            _ = write!(
+                out,
+                "\n  sweeps     {} sent, {} applied ({} records marked absent), {} held",
+                self.sweeps,
+                self.sweeps_applied,
+                self.marked_absent,
+                self.held_sweeps.len()
+            );
+            if !self.sweeps_pending.is_empty() {
+                _ = write!(out, ", {} not decided yet", self.sweeps_pending.len());
+            }
+        }
+        for h in &self.held_sweeps {
+            _ = write!(
+                out,
+                "\n  HELD       place {}: {} (accepted {}, would mark {} of {} live records absent)",
+                h.place_id, h.reason, h.accepted, h.would_mark_absent, h.live
+            );
+        }
+        if !self.held_sweeps.is_empty() {
+            _ = write!(
+                out,
+                "\n  note       nothing was marked absent in the held places; to apply: shelfsync sweep --import {}",
+                self.import_id
+            );
+        }
         _ = write!(
             out,
             "\n  messages   {} command batches, {} out, {} in",
@@ -130,6 +184,13 @@ pub enum ImportError {
     State(#[from] redis::RedisError),
     #[error("the import task failed: {0}")]
     Internal(String),
+    /// Another full import of the partner holds its lease (nothing was done).
+    #[error("another full import of `{partner}` is running: {holder}")]
+    Busy { partner: String, holder: String },
+    #[error(
+        "the import lost its lease on `{partner}` ({reason}); it stopped publishing and swept nothing"
+    )]
+    LeaseLost { partner: String, reason: String },
 }
 
 impl ImportError {

@@ -39,6 +39,7 @@ fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
         poll_interval,
         format,
         clear_missing: true,
+        ..Default::default()
     }
 }
 
@@ -64,7 +65,16 @@ async fn harness(partners: Vec<PartnerSettings>) -> Result<Harness> {
     Ok(Harness { _env: env, settings, js, subjects, dir })
 }
 
+const PUSHED_TOKEN: &str = "pushed-0123456789abcdef";
+
 impl Harness {
+    /// Writes a push tokens file for `partner` in the test's directory.
+    fn tokens_file(&self, partner: &str, text: &str) -> Result<std::path::PathBuf> {
+        let path = self.dir.path().join(format!("{partner}.tokens"));
+        std::fs::write(&path, text)?;
+        Ok(path)
+    }
+
     async fn importer(&self) -> Result<Importer> {
         Importer::connect(Arc::new(self.settings.clone())).await
     }
@@ -285,6 +295,7 @@ async fn http_polling_with_an_unchanged_etag_publishes_nothing() -> Result {
 #[tokio::test]
 async fn the_service_takes_pushed_feeds_and_polls_files_when_they_change() -> Result {
     let mut h = harness(vec![full("pushed")]).await?;
+    h.settings.partners[0].push_tokens_file = Some(h.tokens_file("pushed", PUSHED_TOKEN)?);
     let path = h.dir.path().join("polled.json");
     std::fs::write(&path, r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"}]}]}"#)?;
     let mut polled = full("polled");
@@ -306,7 +317,8 @@ async fn the_service_takes_pushed_feeds_and_polls_files_when_they_change() -> Re
     })
     .await;
     let push = |partner: &str, body: &'static str| {
-        http.post(format!("{base}/v1/partners/{partner}/feed")).body(body).send()
+        let url = format!("{base}/v1/partners/{partner}/feed");
+        http.post(url).bearer_auth(PUSHED_TOKEN).body(body).send()
     };
     let feed =
         r#"{"brand_id":7,"places":[{"place_id":5,"items":[{"id":"a"},{"id":"b"},{"price":2}]}]}"#;
@@ -352,8 +364,10 @@ async fn the_service_takes_pushed_feeds_and_polls_files_when_they_change() -> Re
     let published = || async { h.cmd_batches().await.map_or(0, |b| b.len()) };
     let before = published().await;
     let (mut tx, rx) = futures::channel::mpsc::channel::<std::io::Result<String>>(1);
-    let slow =
-        http.post(format!("{base}/v1/partners/pushed/feed")).body(reqwest::Body::wrap_stream(rx));
+    let slow = http
+        .post(format!("{base}/v1/partners/pushed/feed"))
+        .bearer_auth(PUSHED_TOKEN)
+        .body(reqwest::Body::wrap_stream(rx));
     let slow = tokio::spawn(slow.send());
     let lines: String = (0..300).map(|i| format!("{{\"id\":\"s{i}\",\"place_id\":1}}\n")).collect();
     futures::SinkExt::send(&mut tx, Ok(lines)).await?;
@@ -386,5 +400,256 @@ async fn batches_hold_at_most_batch_size_commands() -> Result {
     assert!(calls.load(Ordering::Relaxed) >= 1, "progress is reported, at least at the end");
     let sizes: Vec<usize> = h.cmd_batches().await?.iter().map(|b| b.2.commands.len()).collect();
     assert_eq!(sizes, [1000, 1000, 500, 0], "three batches, then the sweep");
+    Ok(())
+}
+
+// --- the push endpoint's credentials and limits ------------------------------
+
+/// The ingest service running in this test process.
+struct Service {
+    base: String,
+    http: reqwest::Client,
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<Result>,
+}
+
+async fn serve(settings: &Settings) -> Result<Service> {
+    let app = App::build(settings.clone()).await?;
+    let base = format!("http://{}", app.local_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(app.run_until(async move { _ = stopped.await }));
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Ok(Service { base, http: reqwest::Client::new(), stop, running })
+}
+
+impl Service {
+    /// Pushes `body` to `partner` with `token` (none: no `Authorization`);
+    /// the status and the JSON answer.
+    async fn push(
+        &self,
+        partner: &str,
+        token: Option<&str>,
+        body: impl Into<reqwest::Body>,
+    ) -> Result<(u16, serde_json::Value)> {
+        let mut request = self.http.post(format!("{}/v1/partners/{partner}/feed", self.base));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.body(body).send().await?;
+        let status = response.status().as_u16();
+        Ok((status, serde_json::from_slice(&response.bytes().await?)?))
+    }
+
+    async fn stop(self) -> Result {
+        _ = self.stop.send(());
+        self.running.await?
+    }
+}
+
+/// One NDJSON item of brand 7.
+fn line(id: &str, place: i64) -> String {
+    format!("{{\"id\":\"{id}\",\"brand_id\":7,\"place_id\":{place},\"price\":100}}\n")
+}
+
+const OLD_TOKEN: &str = "old-token-0123456789abcdef";
+const NEW_TOKEN: &str = "new-token-0123456789abcdef";
+const NEWER_TOKEN: &str = "newer-token-0123456789abcdef";
+
+#[tokio::test]
+async fn a_rewritten_tokens_file_rotates_the_push_tokens_without_a_restart() -> Result {
+    let mut h = harness(vec![partner("rotating", ImportKind::Delta, &["price"])]).await?;
+    let file = h.tokens_file(
+        "rotating",
+        &format!("# both during the rotation\n{OLD_TOKEN}\n{NEW_TOKEN}\n"),
+    )?;
+    h.settings.partners[0].push_tokens_file = Some(file.clone());
+    let service = serve(&h.settings).await?;
+    let push = |token: &'static str, id: &str| service.push("rotating", Some(token), line(id, 1));
+
+    assert_eq!(push(OLD_TOKEN, "a").await?.0, 200, "the old token, during the rotation");
+    assert_eq!(push(NEW_TOKEN, "b").await?.0, 200, "the new token, during the rotation");
+
+    // The partner has moved to the new token: the old one is removed.
+    std::fs::write(&file, format!("{NEW_TOKEN}\r\n"))?;
+    let (status, body) = push(OLD_TOKEN, "c").await?;
+    assert_eq!(status, 401, "the old token after the rotation: {body}");
+    assert_eq!(push(NEW_TOKEN, "d").await?.0, 200, "the new token after the rotation");
+
+    // A file that is gone, or holds a bad token, keeps the last good tokens.
+    std::fs::remove_file(&file)?;
+    assert_eq!(push(NEW_TOKEN, "e").await?.0, 200, "the file is gone: the last good tokens");
+    std::fs::write(&file, "short\n")?;
+    assert_eq!(push(NEW_TOKEN, "f").await?.0, 200, "a bad file: the last good tokens");
+    assert_eq!(push(OLD_TOKEN, "g").await?.0, 401);
+    std::fs::write(&file, format!("{NEWER_TOKEN}\n"))?;
+    assert_eq!(push(NEWER_TOKEN, "h").await?.0, 200, "a good file again is read");
+    assert_eq!(push(NEW_TOKEN, "i").await?.0, 401);
+
+    let ids: Vec<String> = h
+        .commands()
+        .await?
+        .iter()
+        .filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone()))
+        .collect();
+    assert_eq!(ids, ["a", "b", "d", "e", "f", "h"], "exactly the accepted pushes landed");
+    service.stop().await
+}
+
+#[tokio::test]
+async fn push_bodies_over_the_partners_limit_are_refused_with_413() -> Result {
+    let mut small = full("small");
+    small.max_push_bytes = Some(256);
+    let mut h = harness(vec![small, full("wide")]).await?;
+    h.settings.ingest.max_push_bytes = 2048;
+    h.settings.partners[0].push_tokens_file = Some(h.tokens_file("small", PUSHED_TOKEN)?);
+    h.settings.partners[1].push_tokens_file = Some(h.tokens_file("wide", NEW_TOKEN)?);
+    let service = serve(&h.settings).await?;
+    let items = |n: usize| (0..n).map(|i| line(&format!("sku-{i}"), 3)).collect::<String>();
+    let big = items(40);
+    assert!(big.len() > 2048);
+
+    // A declared Content-Length over the limit: refused before the body is
+    // read, nothing published.
+    let (status, body) = service.push("small", Some(PUSHED_TOKEN), big.clone()).await?;
+    assert_eq!(status, 413, "{body}");
+    let error = body["error"].as_str().unwrap_or_default();
+    assert!(error.contains("256 bytes") && error.contains("max_push_bytes"), "{body}");
+    let (status, body) = service.push("wide", Some(NEW_TOKEN), big.clone()).await?;
+    assert_eq!(status, 413, "the ingest-wide limit for a partner without one: {body}");
+    assert!(body["error"].as_str().is_some_and(|e| e.contains("2048 bytes")), "{body}");
+    assert_eq!(h.cmd_batches().await?.len(), 0, "a refused push publishes nothing");
+
+    // A chunked body (no Content-Length) that grows past the limit: the
+    // import fails there and sweeps nothing.
+    let (first, rest) = (items(2), items(20));
+    assert!(first.len() < 256 && first.len() + rest.len() > 256);
+    let chunks = futures::stream::iter([Ok::<_, std::io::Error>(first), Ok(rest)]);
+    let (status, body) =
+        service.push("small", Some(PUSHED_TOKEN), reqwest::Body::wrap_stream(chunks)).await?;
+    assert_eq!(status, 413, "{body}");
+    let reports = h.importer().await?.reports("small", 5).await?;
+    assert_eq!(reports.len(), 1, "the chunked push was an import (the first was not)");
+    assert_eq!((reports[0].status, reports[0].sweeps), (ImportStatus::Failed, 0));
+
+    // Within the limit: accepted, and it is the only import that swept.
+    let (status, report) = service.push("small", Some(PUSHED_TOKEN), items(3)).await?;
+    assert_eq!((status, report["sweeps"].as_u64()), (200, Some(1)), "{report}");
+    let import_id = report["import_id"].as_str().unwrap_or_default().to_string();
+    let sweeps: Vec<String> = h
+        .cmd_batches()
+        .await?
+        .into_iter()
+        .filter(|b| !b.2.sweeps.is_empty())
+        .map(|b| b.2.sweeps[0].import_id.clone())
+        .collect();
+    assert_eq!(sweeps, [import_id], "no sweep but the accepted push's");
+    service.stop().await
+}
+
+#[tokio::test]
+async fn bad_push_tokens_stop_ingest_at_start_with_a_clear_error() -> Result {
+    let dir = tempfile::tempdir()?;
+    let start = |partners: Vec<PartnerSettings>| async move {
+        match App::build(Settings { partners, ..Default::default() }).await {
+            Ok(_) => panic!("ingest started"),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    let mut short = full("flowers");
+    let path = dir.path().join("short.tokens");
+    std::fs::write(&path, "# comment\n\ntiny-secret\n")?;
+    short.push_tokens_file = Some(path);
+    let err = start(vec![short]).await;
+    assert!(
+        err.contains("flowers") && err.contains("line 3") && err.contains("at least 16"),
+        "{err}"
+    );
+    assert!(!err.contains("tiny-secret"), "the token is printed: {err}");
+
+    let mut unset = full("flowers");
+    unset.push_tokens_env = Some("SHELFSYNC_TEST_SURELY_UNSET_TOKENS".into());
+    let err = start(vec![unset]).await;
+    assert!(err.contains("SHELFSYNC_TEST_SURELY_UNSET_TOKENS") && err.contains("not set"), "{err}");
+
+    let mut missing = full("flowers");
+    missing.push_tokens_file = Some(dir.path().join("nonexistent"));
+    let err = start(vec![missing]).await;
+    assert!(err.contains("push_tokens_file") && err.contains("nonexistent"), "{err}");
+
+    let shared = dir.path().join("shared.tokens");
+    std::fs::write(&shared, PUSHED_TOKEN)?;
+    let (mut a, mut b) = (full("a"), full("b"));
+    (a.push_tokens_file, b.push_tokens_file) = (Some(shared.clone()), Some(shared));
+    let err = start(vec![a, b]).await;
+    assert!(err.contains("share a push token"), "{err}");
+    Ok(())
+}
+
+/// The real binary, killed on drop.
+struct IngestProcess(std::process::Child);
+
+impl Drop for IngestProcess {
+    fn drop(&mut self) {
+        _ = self.0.kill();
+        _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn push_tokens_from_an_environment_variable_work() -> Result {
+    let mut h = harness(Vec::new()).await?;
+    // Partners from the file, the token source from the environment, as a
+    // deployment would set them.
+    let config = h.dir.path().join("shelfsync.toml");
+    std::fs::write(
+        &config,
+        "[[partners]]\nname = \"other\"\nbrand_id = 7\nkind = \"delta\"\n\
+         [[partners]]\nname = \"envpushed\"\nbrand_id = 7\nkind = \"delta\"\nfields = [\"price\"]\n",
+    )?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    h.settings.ingest.listen = format!("127.0.0.1:{port}");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_shelfsync-ingest"))
+        .arg("--config")
+        .arg(&config)
+        .envs(shelfsync_testkit::settings_env(&h.settings))
+        .env("SHELFSYNC__PARTNERS__1__PUSH_TOKENS_ENV", "SHELFSYNC_TEST_PUSH_TOKENS")
+        .env("SHELFSYNC_TEST_PUSH_TOKENS", format!("{OLD_TOKEN}, {NEW_TOKEN}"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let mut child = IngestProcess(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let mut exited = None;
+    eventually(Duration::from_secs(20), "ingest ready", || {
+        let request = http.get(format!("{base}/readyz")).send();
+        if let Ok(Some(status)) = child.0.try_wait() {
+            exited = Some(status);
+        }
+        async move { request.await.is_ok_and(|r| r.status() == 200) }
+    })
+    .await;
+    assert_eq!(exited, None);
+    let push = |token: Option<&str>, id: &str| {
+        let mut request = http.post(format!("{base}/v1/partners/envpushed/feed"));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.body(line(id, 2)).send()
+    };
+    assert_eq!(push(Some(NEW_TOKEN), "a").await?.status(), 200);
+    assert_eq!(push(Some(OLD_TOKEN), "b").await?.status(), 200);
+    assert_eq!(push(None, "c").await?.status(), 401);
+    assert_eq!(push(Some(NEWER_TOKEN), "d").await?.status(), 401);
+    let other = http.post(format!("{base}/v1/partners/other/feed")).bearer_auth(NEW_TOKEN);
+    assert_eq!(other.body(line("e", 2)).send().await?.status(), 403, "push disabled for `other`");
+    let ids: Vec<String> = h
+        .commands()
+        .await?
+        .iter()
+        .filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone()))
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
     Ok(())
 }
