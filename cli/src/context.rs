@@ -2,7 +2,7 @@
 //! connections made on demand with errors that name the server and the
 //! setting to fix. Owns no state beyond the settings.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -11,6 +11,8 @@ use shelfsync_bus::Subjects;
 use shelfsync_settings::{Settings, TelemetrySettings};
 use shelfsync_storage::Store;
 
+use crate::CliError;
+
 /// Settings of the deployment a verb talks to.
 pub struct Context {
     pub settings: Arc<Settings>,
@@ -18,11 +20,12 @@ pub struct Context {
 }
 
 impl Context {
-    /// Loads settings (defaults, `file`, environment) and installs logging
+    /// Loads settings (defaults, `files` in order, environment) and installs logging
     /// on stderr. A CLI is quiet by default — warnings only — whatever
     /// level the shared config file sets for the services.
-    pub fn load(file: Option<&Path>, verbose: u8) -> anyhow::Result<Context> {
-        let settings = Settings::load(file).context("cannot load settings")?;
+    pub fn load(files: &[PathBuf], verbose: u8) -> anyhow::Result<Context> {
+        let settings = Settings::load_files(files)
+            .context(CliError::BadInput("cannot load settings".into()))?;
         let telemetry = TelemetrySettings {
             log_level: match verbose {
                 0 => "warn",
@@ -44,9 +47,9 @@ impl Context {
     /// in front of an operator).
     pub async fn nats(&self) -> anyhow::Result<async_nats::Client> {
         let nats = &self.settings.nats;
-        shelfsync_bus::connect(nats, "shelfsync-cli", false)
-            .await
-            .with_context(|| format!("is NATS running at {} (nats.url)?", nats.url_redacted()))
+        shelfsync_bus::connect(nats, "shelfsync-cli", false).await.with_context(|| {
+            CliError::Unavailable(format!("is NATS running at {} (nats.url)?", nats.url_redacted()))
+        })
     }
 
     /// A JetStream context on a fresh connection.
@@ -57,8 +60,11 @@ impl Context {
     /// The storage's Redis, read-only use.
     pub async fn store(&self) -> anyhow::Result<Store> {
         let redis = &self.settings.redis;
-        Store::connect(redis)
-            .await
-            .with_context(|| format!("is Redis running at {} (redis.url)?", redis.url_redacted()))
+        Store::connect(redis).await.with_context(|| {
+            CliError::Unavailable(format!(
+                "is Redis running at {} (redis.url)?",
+                redis.url_redacted()
+            ))
+        })
     }
 }

@@ -1,4 +1,4 @@
-//! Deterministic synthetic partner feeds (DESIGN §8 format) for demos,
+//! Deterministic synthetic partner feeds (the feed format ingest reads) for demos,
 //! tests and benchmarks. Pure and streaming: items are generated one at a
 //! time straight into the writer, so a 1 GB dump needs no more memory than a
 //! 1 KB one.
@@ -49,7 +49,7 @@ impl Default for FeedSpec {
     }
 }
 
-/// The two feed shapes ingest reads (DESIGN §8).
+/// The two feed shapes ingest reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
     /// `{"brand_id": B, "places": [{"place_id": P, "items": [...]}, ...]}`.

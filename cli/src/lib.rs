@@ -1,8 +1,10 @@
-//! The shelfsync operator CLI (DESIGN §8, "CLI verbs") as a library, so that
-//! tests and benchmarks drive the very code the `shelfsync` binary runs.
+//! The shelfsync operator CLI as a library, so that tests and benchmarks
+//! drive the very code the `shelfsync` binary runs.
 //!
 //! - [`Cli`] / [`run`]: the command line and its dispatch; `main` only
 //!   parses, calls [`run`] and turns an error into an exit code;
+//! - [`CliError`] / [`exit_code`]: the failures a script must tell apart
+//!   (bad input, not found, timeout, unavailable), each its exit code;
 //! - `cmd`: one module per verb, each the same small shape — an `Args`
 //!   struct (clap derive) and `run(&Context, Args)`;
 //! - [`json`]: `Record`, `Change` and `Rejection` as JSON, with `data` and
@@ -16,6 +18,7 @@
 
 mod cmd;
 mod context;
+mod error;
 pub mod genfeed;
 pub use shelfsync_proto::json;
 
@@ -24,25 +27,36 @@ use std::path::PathBuf;
 use clap::{ArgAction, Parser, Subcommand};
 
 pub use context::Context;
+pub use error::{CliError, EXIT_CODES, exit_code};
 
 /// Operate a shelfsync deployment: create its streams, run imports, read
-/// records, watch changes, generate demo feeds.
+/// records, watch changes, release held sweeps, re-drive dead letters,
+/// check settings, generate demo feeds.
 #[derive(Debug, Parser)]
-#[command(name = "shelfsync", version, propagate_version = true)]
+#[command(name = "shelfsync", version, propagate_version = true, after_help = EXIT_CODES)]
 pub struct Cli {
-    /// Settings file (TOML); every key can be overridden by
-    /// SHELFSYNC__SECTION__KEY environment variables.
-    #[arg(long, global = true, env = "SHELFSYNC_CONFIG", value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    /// Settings files (TOML), in order: repeat --config, or separate them
+    /// with `:` in SHELFSYNC_CONFIG; a later file overrides an earlier one,
+    /// and SHELFSYNC__SECTION__KEY environment variables override them all.
+    #[arg(
+        long,
+        global = true,
+        env = "SHELFSYNC_CONFIG",
+        value_name = "FILE",
+        value_delimiter = ':'
+    )]
+    pub config: Vec<PathBuf>,
 
     /// More log output on stderr (-v: info, -vv: debug). RUST_LOG wins.
     #[arg(short, long, global = true, action = ArgAction::Count)]
     pub verbose: u8,
 
+    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// The verbs.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create or update the streams (idempotent) and show what exists.
@@ -51,7 +65,9 @@ pub enum Command {
     Import(cmd::import::Args),
     /// Show one record as JSON, data and state decoded.
     Get(cmd::get::Args),
-    /// Print changes (or rejections) as JSON lines as they happen.
+    /// Print a stream's messages as JSON lines: changes (default),
+    /// keyframes, aggregates or rejects; new ones, or from a time, a
+    /// sequence, the last N.
     Tail(cmd::tail::Args),
     /// Ask storage to publish a keyframe now (every place, or one).
     Keyframe(cmd::keyframe::Args),
@@ -61,15 +77,34 @@ pub enum Command {
     Stats(cmd::stats::Args),
     /// Wait until storage has applied every queued command.
     Wait(cmd::wait::Args),
+    /// List the sweeps storage held instead of applying them, or show what
+    /// became of one import's sweeps.
+    Sweeps(cmd::sweep::SweepsArgs),
+    /// Apply the sweeps held for an import (after a look at its report).
+    Sweep(cmd::sweep::ReleaseArgs),
+    /// Resume partitions refused because their command stream was replaced.
+    Rebase(cmd::rebase::Args),
+    /// What storage could not publish (kept aside) or dead-lettered: list,
+    /// show, re-drive.
+    DeadLetters(cmd::dead_letters::Args),
+    /// Check the settings the services would load, and print them
+    /// resolved (secrets redacted).
+    Config(cmd::config::Args),
+    /// Print a shell completion script (e.g. `shelfsync completions bash >
+    /// /etc/bash_completion.d/shelfsync`).
+    Completions(cmd::completions::Args),
 }
 
 /// Runs one verb to completion.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    // Settings are loaded per verb: gen-feed is pure and needs neither
-    // settings nor servers, so a broken config file must not stop it.
-    let ctx = || Context::load(cli.config.as_deref(), cli.verbose);
+    // Settings are loaded per verb: gen-feed and completions are pure and
+    // need neither settings nor servers, so a broken config file must not
+    // stop them (and `config check` reports it).
+    let ctx = || Context::load(&cli.config, cli.verbose);
     match cli.command {
         Command::GenFeed(args) => cmd::gen_feed::run(args),
+        Command::Completions(args) => cmd::completions::run(args),
+        Command::Config(args) => cmd::config::run(&cli.config, args),
         Command::Setup(args) => cmd::setup::run(&ctx()?, args).await,
         Command::Import(args) => cmd::import::run(&ctx()?, args).await,
         Command::Get(args) => cmd::get::run(&ctx()?, args).await,
@@ -77,6 +112,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Keyframe(args) => cmd::keyframe::run(&ctx()?, args).await,
         Command::Stats(args) => cmd::stats::run(&ctx()?, args).await,
         Command::Wait(args) => cmd::wait::run(&ctx()?, args).await,
+        Command::Sweeps(args) => cmd::sweep::run(&ctx()?, args).await,
+        Command::Sweep(args) => cmd::sweep::release(&ctx()?, args).await,
+        Command::Rebase(args) => cmd::rebase::run(&ctx()?, args).await,
+        Command::DeadLetters(args) => cmd::dead_letters::run(&ctx()?, args).await,
     }
 }
 

@@ -13,7 +13,7 @@ async fn main() -> ExitCode {
         Err(e) if shelfsync_cli::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(shelfsync_cli::exit_code(&e))
         }
     }
 }

@@ -23,6 +23,7 @@ pub struct Args {
     /// Seed of the base values; the same arguments give the same bytes.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Feed format: one JSON document, or one item per line.
     #[arg(long, value_enum, default_value_t = Format::Json)]
     format: Format,
     /// Where to write: a file, or `-` for stdout.

@@ -2,16 +2,22 @@
 //! partner's settings, run in this process by the ingest library. Progress
 //! on stderr while stdout is a terminal; the report on stdout at the end,
 //! also when the import failed (then the exit code is non-zero).
+//!
+//! A full import takes the partner's lease like the ingest service does:
+//! while another full import of the partner runs (anywhere), it fails at
+//! once naming that import, or with `--wait DURATION` waits for it (exit 4
+//! when it still runs then). An unknown partner exits 3, NATS or Redis out
+//! of reach 5, any failed import 1.
 
 use std::io::IsTerminal;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use shelfsync_ingest::{ImportReport, Importer, Progress, Source};
+use shelfsync_ingest::{ImportError, ImportReport, Importer, Progress, Source};
 use shelfsync_settings::PartnerSettings;
 
-use crate::Context;
+use crate::{CliError, Context};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -24,6 +30,10 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// While another full import of the partner runs, wait up to this long
+    /// for it to end (e.g. `10m`) instead of failing at once.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    wait: Option<Duration>,
 }
 
 pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
@@ -33,8 +43,12 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     } else {
         Source::parse(&args.source)
     };
-    let importer =
-        Importer::connect(ctx.settings.clone()).await.context("cannot start the import")?;
+    let importer = Importer::connect(ctx.settings.clone())
+        .await
+        .context(CliError::Unavailable(
+            "cannot start the import: NATS or Redis out of reach".into(),
+        ))?
+        .with_lease_wait(args.wait.unwrap_or_default());
 
     let bar = progress_bar(&source);
     let on_progress = |p: &Progress| {
@@ -48,7 +62,20 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     bar.finish_and_clear();
 
     print_report(&report, args.json)?;
-    result.with_context(|| format!("import of {} for partner {} failed", args.source, partner.name))
+    let failed = || format!("import of {} for partner {} failed", args.source, partner.name);
+    match (result, args.wait) {
+        (Ok(()), _) => Ok(()),
+        (Err(e @ ImportError::Busy { .. }), Some(wait)) => {
+            Err(anyhow::Error::new(e).context(CliError::Timeout(format!(
+                "{}: still busy after waiting {}",
+                failed(),
+                humantime::format_duration(wait)
+            ))))
+        }
+        (Err(e @ ImportError::Busy { .. }), None) => Err(anyhow::Error::new(e)
+            .context(format!("{} (give --wait DURATION to wait for it)", failed()))),
+        (Err(e), _) => Err(anyhow::Error::new(e).context(failed())),
+    }
 }
 
 fn find_partner<'a>(
@@ -59,12 +86,17 @@ fn find_partner<'a>(
         return Ok(p);
     }
     if partners.is_empty() {
-        anyhow::bail!(
+        return Err(CliError::NotFound(format!(
             "unknown partner `{name}`: no partners are configured (add a [[partners]] section to the settings file given with --config)"
-        );
+        ))
+        .into());
     }
     let names: Vec<&str> = partners.iter().map(|p| p.name.as_str()).collect();
-    anyhow::bail!("unknown partner `{name}`; configured partners: {}", names.join(", "))
+    Err(CliError::NotFound(format!(
+        "unknown partner `{name}`; configured partners: {}",
+        names.join(", ")
+    ))
+    .into())
 }
 
 /// A byte bar when the size is known (a local file), a spinner otherwise;

@@ -1,5 +1,5 @@
 //! `shelfsync setup`: create the streams or bring them to the configured
-//! shape (idempotent, DESIGN §8), then show what exists.
+//! shape (idempotent), then show what exists.
 
 use anyhow::Context as _;
 

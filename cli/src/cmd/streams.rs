@@ -1,9 +1,11 @@
-//! The suite's streams as `setup` and `stats` show them.
+//! The suite's streams as `setup`, `stats` and the readers open them.
 
 use anyhow::Context as _;
 use async_nats::jetstream::{self, context::GetStreamErrorKind, stream::RetentionPolicy};
 use serde::Serialize;
 use shelfsync_settings::Settings;
+
+use crate::CliError;
 
 /// The suite's streams as `(role, name)`, in creation order: whatever the
 /// bus provisions, the role being the name's last `_` token in lower case
@@ -33,6 +35,21 @@ pub struct StreamState {
     /// whatever was acked, aged out or deleted since.
     pub last_seq: u64,
     pub consumers: usize,
+}
+
+/// The stream `name`; one that does not exist is a [`CliError::NotFound`].
+pub async fn open(
+    js: &jetstream::Context,
+    name: &str,
+) -> anyhow::Result<jetstream::stream::Stream> {
+    match js.get_stream(name).await {
+        Ok(s) => Ok(s),
+        Err(e) if is_not_found(&e) => Err(CliError::NotFound(format!(
+            "stream {name} does not exist (has `shelfsync setup` run with these settings?)"
+        ))
+        .into()),
+        Err(e) => Err(e).with_context(|| format!("cannot open stream {name}")),
+    }
 }
 
 /// The stream's state, or `None` when it does not exist.

@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::Context;
+use super::streams;
+use crate::{CliError, Context};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Give up (exit 1) after this long.
+    /// Give up (exit 4) after this long.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     timeout: Duration,
 }
@@ -23,8 +24,7 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     let partitions = ctx.settings.storage.partitions;
     let deadline = tokio::time::Instant::now() + args.timeout;
     loop {
-        let mut stream =
-            js.get_stream(subjects.cmd_stream()).await.context("command stream (run `setup`?)")?;
+        let mut stream = streams::open(&js, &subjects.cmd_stream()).await?;
         let queued = stream.info().await.context("command stream info")?.state.messages;
         let mut outbox = 0;
         if queued == 0 {
@@ -37,11 +37,12 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
             }
         }
         if tokio::time::Instant::now() > deadline {
-            anyhow::bail!(
-                "not settled after {:?}: {queued} command messages queued, {outbox} outbox entries \
+            return Err(CliError::Timeout(format!(
+                "not settled after {}: {queued} command messages queued, {outbox} outbox entries \
                  (is shelfsync-storage running?)",
-                args.timeout
-            );
+                humantime::format_duration(args.timeout)
+            ))
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

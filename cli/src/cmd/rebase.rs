@@ -1,0 +1,91 @@
+//! `shelfsync rebase [--partition N]... [--applied-seq N]`: resume the
+//! partitions storage refused because their command stream was replaced
+//! (deleted and created again: its sequences restarted, so the applied
+//! sequence storage kept counts in a stream that no longer exists).
+//!
+//! Each storage replica adopts the stream as it is now for its refused
+//! partitions, taking every command up to `--applied-seq` as applied (0, the
+//! default: apply everything the new stream holds), and replies; the workers
+//! resume within seconds. A partition that is not refused is left alone.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use prost::Message;
+use serde_json::json;
+use shelfsync_proto::{RebaseReply, RebaseRequest};
+
+use super::rpc;
+use crate::Context;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Only these partitions (default: every refused one).
+    #[arg(long = "partition", value_name = "N")]
+    partitions: Vec<u32>,
+    /// Commands of the new stream up to this sequence are taken as applied
+    /// (0: apply everything the new stream holds).
+    #[arg(long, value_name = "SEQ", default_value_t = 0)]
+    applied_seq: u64,
+    /// How long to wait for every storage replica's reply.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Print the replies as JSON lines.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
+    let request =
+        RebaseRequest { partitions: args.partitions.clone(), applied_seq: args.applied_seq };
+    let client = ctx.nats().await?;
+    let expected = ctx.settings.storage.replicas as usize;
+    let mut out = std::io::stdout();
+    let mut failed = 0;
+    let got = rpc::gather(
+        &client,
+        ctx.subjects().ctl_rebase(),
+        request.encode_to_vec(),
+        expected,
+        args.timeout,
+        |msg| {
+            let reply = RebaseReply::decode(msg.payload.as_ref())
+                .context("a storage replica sent an undecodable RebaseReply")?;
+            if !reply.error.is_empty() {
+                failed += 1;
+            }
+            writeln!(out, "{}", render(&reply, args.json))?;
+            Ok(())
+        },
+    )
+    .await?;
+    if got < expected {
+        return Err(rpc::missing_replies(got, expected, args.timeout));
+    }
+    anyhow::ensure!(failed == 0, "{failed} replicas could not re-base every partition");
+    Ok(())
+}
+
+fn render(reply: &RebaseReply, json: bool) -> String {
+    if json {
+        return json!({
+            "replica": reply.replica,
+            "rebased": reply.rebased,
+            "still_refused": reply.refused,
+            "error": (!reply.error.is_empty()).then_some(&reply.error),
+        })
+        .to_string();
+    }
+    if reply.rebased.is_empty() && reply.refused.is_empty() && reply.error.is_empty() {
+        return format!("replica {}: no partition is refused", reply.replica);
+    }
+    let mut t = format!("replica {}: re-based partitions {:?}", reply.replica, reply.rebased);
+    if !reply.refused.is_empty() {
+        t.push_str(&format!(", still refused {:?}", reply.refused));
+    }
+    if !reply.error.is_empty() {
+        t.push_str(&format!(", error: {}", reply.error));
+    }
+    t
+}

@@ -1,0 +1,97 @@
+//! Requests to storage over core NATS, the two shapes the verbs use: one
+//! question to any replica (the read API, a queue group), and one request
+//! every replica answers (`ctl.*`). Failures come back as [`CliError`]s so
+//! that the exit code says whether storage was away, slow or refused.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::{Message, StatusCode};
+use futures::StreamExt;
+
+use crate::CliError;
+use crate::error::request_failed;
+
+/// Asks any storage replica on `subject` and returns its reply.
+pub async fn ask(
+    client: &async_nats::Client,
+    subject: String,
+    payload: Vec<u8>,
+) -> anyhow::Result<Message> {
+    let msg = client
+        .request(subject.clone(), payload.into())
+        .await
+        .map_err(|e| request_failed(e, &subject, "storage replica"))?;
+    if msg.status == Some(StatusCode::NO_RESPONDERS) {
+        return Err(no_storage(&subject).into());
+    }
+    Ok(msg)
+}
+
+/// The `error` of a storage reply as a [`CliError`]: storage could not
+/// reach Redis (unavailable), or it refused the request (bad input).
+pub fn refused(error: &str) -> anyhow::Error {
+    let message = format!("storage: {error}");
+    if error.starts_with("storage unavailable") {
+        CliError::Unavailable(message).into()
+    } else {
+        CliError::BadInput(message).into()
+    }
+}
+
+fn no_storage(subject: &str) -> CliError {
+    CliError::Unavailable(format!(
+        "no storage replica is listening on {subject} (is storage running?)"
+    ))
+}
+
+/// Sends one request every storage replica answers, and hands each reply
+/// to `on_reply` as it comes, until `expected` replies came or `timeout`
+/// passed. Returns how many came; fewer than `expected` is for the caller
+/// to report (see [`missing_replies`]).
+pub async fn gather(
+    client: &async_nats::Client,
+    subject: String,
+    payload: Vec<u8>,
+    expected: usize,
+    timeout: Duration,
+    mut on_reply: impl FnMut(Message) -> anyhow::Result<()>,
+) -> anyhow::Result<usize> {
+    let inbox = client.new_inbox();
+    let mut replies =
+        client.subscribe(inbox.clone()).await.context("cannot subscribe to the reply inbox")?;
+    client
+        .publish_with_reply(subject.clone(), inbox, payload.into())
+        .await
+        .with_context(|| format!("cannot publish the request on {subject}"))?;
+    client.flush().await.context("cannot flush the request")?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut got = 0;
+    while got < expected {
+        let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
+            Ok(Some(msg)) => msg,
+            Ok(None) => {
+                return Err(CliError::Unavailable(
+                    "the NATS connection closed while waiting for replies".into(),
+                )
+                .into());
+            }
+            Err(_) => break,
+        };
+        if msg.status == Some(StatusCode::NO_RESPONDERS) {
+            return Err(no_storage(&subject).into());
+        }
+        got += 1;
+        on_reply(msg)?;
+    }
+    Ok(got)
+}
+
+/// The error when fewer replicas answered than `storage.replicas` says.
+pub fn missing_replies(got: usize, expected: usize, timeout: Duration) -> anyhow::Error {
+    CliError::Timeout(format!(
+        "{got} of {expected} storage replicas answered within {} (storage.replicas = {expected})",
+        humantime::format_duration(timeout)
+    ))
+    .into()
+}
