@@ -70,6 +70,11 @@ fi
 
 STORAGE_PORT=$(free_port)
 INGEST_PORT=$(free_port)
+# The push endpoint takes a partner's feed only with one of its tokens: one
+# random token per partner, in a file (as a mounted secret would be).
+for partner in flowers flowers-prices; do
+  python3 -c 'import secrets; print(secrets.token_urlsafe(32))' >"$DEMO/$partner.tokens"
+done
 CONFIG=$DEMO/shelfsync.toml
 cat >"$CONFIG" <<EOF
 [nats]
@@ -91,12 +96,14 @@ name = "flowers"
 brand_id = 7
 kind = "full"
 fields = ["title", "category", "price", "old_price", "currency", "stock", "images", "description"]
+push_tokens_file = "$DEMO/flowers.tokens"
 
 [[partners]]
 name = "flowers-prices"
 brand_id = 7
 kind = "delta"
 fields = ["price", "old_price"]
+push_tokens_file = "$DEMO/flowers-prices.tokens"
 EOF
 export SHELFSYNC_CONFIG=$CONFIG
 # Settings come from the file only, whatever this shell exports.
@@ -123,6 +130,7 @@ step() { # title partner file
   local before after report
   before=$(stats)
   report=$(curl -sf -X POST --data-binary @"$3" -H 'content-type: application/json' \
+    -H "authorization: Bearer $(cat "$DEMO/$2.tokens")" \
     "http://127.0.0.1:$INGEST_PORT/v1/partners/$2/feed") || { log "import failed: $report"; exit 1; }
   "$BIN/shelfsync" wait --timeout 300s >/dev/null
   after=$(stats)
