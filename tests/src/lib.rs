@@ -129,6 +129,36 @@ impl Drop for StorageProcess {
     }
 }
 
+/// Runs the `shelfsync` CLI binary with the test's settings in its
+/// environment (nothing inherited) and returns what it printed.
+pub async fn cli(settings: &Settings, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    let bin = shelfsync_testkit::workspace_bin("shelfsync")?;
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args(args)
+        .env_clear()
+        .envs(settings_env(settings))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(SETTLE, cmd.output())
+        .await
+        .with_context(|| format!("shelfsync {args:?} did not finish"))??;
+    Ok(out)
+}
+
+/// [`cli`], requiring success; returns stdout.
+pub async fn cli_ok(settings: &Settings, args: &[&str]) -> anyhow::Result<String> {
+    let out = cli(settings, args).await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "shelfsync {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
 /// A connection to the test's NATS and Redis, with helpers.
 pub struct Harness {
     pub settings: Settings,
@@ -188,6 +218,7 @@ impl Harness {
                 generation,
                 source: "test".into(),
                 import_id: format!("test-{generation}"),
+                ..Default::default()
             }],
             ..Default::default()
         };
@@ -412,6 +443,10 @@ pub struct SerialModel {
     pub changes: usize,
     /// Rejection reasons, in order.
     pub rejections: Vec<String>,
+    /// Per place, the sweep held for it.
+    pub held: HashMap<(i64, i64), shelfsync_proto::SweepOutcome>,
+    /// Every sweep's outcome, in order.
+    pub sweeps: Vec<shelfsync_proto::SweepOutcome>,
     clock: i64,
 }
 
@@ -431,8 +466,30 @@ impl SerialModel {
         };
         // Every record the model knows is in `slots`, so the sweep finds its
         // candidates there and needs no separate generation column.
-        let out =
-            shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &HashMap::new(), &limits);
+        let swept: HashMap<(i64, i64), shelfsync_storage::apply::SweptPlace> = batch
+            .sweeps
+            .iter()
+            .map(|s| {
+                let place = (s.brand_id, s.place_id);
+                let held = self.held.get(&place).cloned();
+                (place, shelfsync_storage::apply::SweptPlace { column: Vec::new(), held })
+            })
+            .collect();
+        let out = shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &swept, &limits);
+        for o in &out.sweeps {
+            let Some(s) = &o.sweep else { continue };
+            let place = (s.brand_id, s.place_id);
+            match o.status.as_str() {
+                "held" => {
+                    self.held.insert(place, o.clone());
+                }
+                "applied" => {
+                    self.held.remove(&place);
+                }
+                _ => {}
+            }
+        }
+        self.sweeps.extend(out.sweeps.iter().cloned());
         for c in &out.changes {
             let after = c.after.as_ref().expect("a change has an after");
             let key = c.key.as_ref().expect("a change has a key");
@@ -487,6 +544,7 @@ impl Churn {
                 generation,
                 source: "churn".into(),
                 import_id: format!("churn-{generation}"),
+                ..Default::default()
             };
             let full =
                 |generation: i64, keep: &dyn Fn(usize) -> bool, price: &dyn Fn(usize) -> i64| {

@@ -27,7 +27,7 @@ use shelfsync_proto::{
 };
 use shelfsync_settings::Settings;
 use shelfsync_storage::Store;
-use shelfsync_storage::store::{Commit, Keys};
+use shelfsync_storage::store::{Commit, Fence, Keys, Position, Writes};
 use shelfsync_testkit::{NatsCluster, NatsServer, RedisCluster, unique_name};
 use shelfsync_tests::*;
 
@@ -627,14 +627,21 @@ async fn overlapping_owners_are_fenced_and_duplicate_nothing() {
     fence_cfg.namespace = format!("{}-fence", settings.redis.namespace);
     let (a, b) =
         (Store::connect(&fence_cfg).await.unwrap(), Store::connect(&fence_cfg).await.unwrap());
-    let none = HashMap::new();
-    assert_eq!(a.commit(0, 0, 5, &none, &outbox_entries(5)).await.unwrap(), Commit::Done);
-    assert_eq!(b.commit(0, 0, 6, &none, &outbox_entries(6)).await.unwrap(), Commit::Fenced);
+    let commit = |store: &Store, from: u64, to: u64| {
+        let (store, outbox) = (store.clone(), outbox_entries(to));
+        async move {
+            let fence = Fence { at: Position::at(from), stream: String::new() };
+            let writes = Writes { outbox: &outbox, ..Default::default() };
+            store.commit(0, &fence, &Position::at(to), &writes).await.unwrap()
+        }
+    };
+    assert_eq!(commit(&a, 0, 5).await, Commit::Done);
+    assert_eq!(commit(&b, 0, 6).await, Commit::Fenced);
     assert_eq!((a.applied_seq(0).await.unwrap(), a.outbox_len(0).await.unwrap()), (5, 2));
     assert_eq!(a.outbox_peek(0, 256).await.unwrap().len(), 2);
     assert_eq!(b.outbox_peek(0, 256).await.unwrap().len(), 2);
     b.outbox_trim(0, 2).await.unwrap();
-    assert_eq!(b.commit(0, 5, 7, &none, &outbox_entries(7)).await.unwrap(), Commit::Done);
+    assert_eq!(commit(&b, 5, 7).await, Commit::Done);
     a.outbox_trim(0, 2).await.unwrap(); // stale: its two entries are gone already
     let left: Vec<String> =
         a.outbox_peek(0, 256).await.unwrap().into_iter().map(|e| e.msg_id).collect();

@@ -56,6 +56,7 @@ async fn a_bad_price_is_hidden_everywhere_until_it_is_fixed() {
         poll_interval: None,
         format: Default::default(),
         clear_missing: true,
+        ..Default::default()
     }];
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");

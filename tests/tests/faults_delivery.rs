@@ -167,44 +167,8 @@ async fn replays_past_the_dedup_window_change_nothing_for_storage_or_consumers()
     assert_eq!(decode_product(&kept.data).price, Some(200), "the consumer did not roll back");
 }
 
-#[tokio::test]
-async fn an_outbox_relayed_again_past_the_dedup_window_duplicates_on_the_stream_not_for_consumers()
-{
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.nats.duplicate_window = Duration::from_secs(1);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let churn = Churn { brand: BRAND, places: vec![1, 2], items: 30, chunk: 10 };
-    let batches = churn.batches(settings.storage.partitions);
-    let mut model = SerialModel::new(settings.storage.partitions);
-    for b in &batches {
-        model.apply(b);
-    }
-    let mirror = FeedMirror::default();
-    let feed = RunningFeed::tail(&h, "late-relay-mirror", mirror.clone());
-    h.publish_batches("churn", &batches).await.expect("publish");
-
-    // Storage dies after publishing an outbox, before trimming it, and
-    // comes back after the dedup window (a crash loop, a node lost): its
-    // relay publishes those entries again and JetStream keeps both copies.
-    let window = [("SHELFSYNC__NATS__DUPLICATE_WINDOW", "1s")];
-    let doomed_env = [window[0], ("SHELFSYNC_FAILPOINT", "after_outbox_publish@2")];
-    let mut doomed = StorageProcess::start(&settings, &doomed_env).expect("storage");
-    assert!(!doomed.wait_exit(Duration::from_secs(30)).await.expect("aborts").success());
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let _storage = StorageProcess::start(&settings, &window).expect("storage again");
-    h.wait_settled().await;
-
-    let on_stream = h.changes().await.expect("changes").len();
-    assert!(on_stream > model.changes, "the late relay duplicated changes on the stream");
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    // The kit drops each copy (not newer than what it delivered): the
-    // consumer sees every transition once and ends equal to storage.
-    assert_eq!(FeedStatus::get(&feed.status.duplicates) as usize, on_stream - model.changes);
-    mirror.assert_each_transition_once(&model);
-    mirror.assert_equals_storage(&h, BRAND, &[1, 2]).await;
-}
+// Storage's outbox relayed again past the dedup window (scenario 5c): no
+// duplicate on the stream any more — `faults_window.rs`.
 
 /// Two change messages (sku-0..9 at 100, then sku-1 at 200) and a consumer
 /// whose first delivery of the first one fails (a dependency blinked): nak

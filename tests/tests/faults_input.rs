@@ -43,6 +43,7 @@ fn partner(name: &str) -> PartnerSettings {
         poll_interval: None,
         format: Default::default(),
         clear_missing: true,
+        ..Default::default()
     }
 }
 
@@ -79,6 +80,17 @@ impl Ingest {
         let result = self.importer.import(&p, Source::File(path), None).await;
         self.h.wait_settled().await;
         result
+    }
+
+    /// Last sequences of the CMD and REJECTS streams: what was ever published.
+    async fn published(&self) -> (u64, u64) {
+        let mut last = [0; 2];
+        let names = [self.h.subjects.cmd_stream(), self.h.subjects.rejects_stream()];
+        for (last, name) in last.iter_mut().zip(names) {
+            let mut stream = self.h.js.get_stream(&name).await.expect("stream");
+            *last = stream.info().await.expect("stream info").state.last_sequence;
+        }
+        (last[0], last[1])
     }
 
     async fn product(&self, place: i64, id: &str) -> Option<Product> {
@@ -203,6 +215,10 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
     let mut invalid_utf8 = good(3).into_bytes();
     let at = invalid_utf8.windows(3).position(|w| w == b"\"t\"").expect("a title") + 1;
     invalid_utf8[at] = 0xff;
+    // Good items and a bad one, the brand after them: nothing may be
+    // published before the brand is checked, rejections included.
+    let places = r#"[{"place_id":1,"items":[{"id":"sku-0","title":"not ours","price":1},{"id":"x","price":"1"}]}]"#;
+    let key = "k".repeat(16 << 20);
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("HTML error page", b"<html><body>502 Bad Gateway</body></html>".to_vec(), "not json"),
         ("empty", b"  \n".to_vec(), "empty"),
@@ -221,13 +237,59 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
             format!(r#"{{"brand_id":7,"places":{}}}"#, nest(100_000)).into_bytes(),
             "malformed",
         ),
+        (
+            "wrong brand after places",
+            format!(r#"{{"places":{places},"brand_id":8}}"#).into_bytes(),
+            "brand 8",
+        ),
+        ("no brand", format!(r#"{{"places":{places}}}"#).into_bytes(), "no top-level `brand_id`"),
+        (
+            "brand twice, after places",
+            format!(r#"{{"places":{places},"brand_id":7,"brand_id":7}}"#).into_bytes(),
+            "given twice",
+        ),
+        (
+            "brand twice, before places",
+            format!(r#"{{"brand_id":7,"brand_id":8,"places":{places}}}"#).into_bytes(),
+            "given twice",
+        ),
+        (
+            "a 16 MB top-level key",
+            format!(r#"{{"{key}":1,"brand_id":7,"places":{places}}}"#).into_bytes(),
+            "an object key is larger than",
+        ),
+        (
+            "a 16 MB key in a place",
+            format!(r#"{{"brand_id":7,"places":[{{"{key}":1,"place_id":1,"items":[]}}]}}"#)
+                .into_bytes(),
+            "an object key is larger than",
+        ),
+        (
+            "a 16 MB key in an item",
+            format!(
+                r#"{{"brand_id":7,"places":[{{"place_id":1,"items":[{{"{key}":1,"id":"a"}}]}}]}}"#
+            )
+            .into_bytes(),
+            "an item is larger than",
+        ),
+        (
+            "a 16 MB key in places before the brand",
+            format!(r#"{{"places":[{{"place_id":1,"{key}":1}}],"brand_id":7}}"#).into_bytes(),
+            "an object key is larger than",
+        ),
     ];
     for (what, body, needle) in cases {
+        let before = t.published().await;
         let err = t.import("nested", &body).await.expect_err(what);
         let text = err.to_string();
         assert!(err.is_bad_feed(), "{what}: {err:?}");
-        assert!(text.to_lowercase().contains(needle), "{what}: {text}");
+        assert!(text.to_lowercase().contains(&needle.to_lowercase()), "{what}: {text}");
         assert!(text.len() < 400, "{what}: the error stays readable: {text}");
+        if what != "truncated" {
+            // A truncated feed's items before the cut are valid PATCHes and
+            // go out; nothing else here has a good item before its fault.
+            assert_eq!(t.published().await, before, "{what}: nothing published");
+        }
     }
     // Nothing was swept by a failed import, nothing changed.
     for i in 0..10 {
@@ -240,17 +302,28 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
         "failed imports changed nothing"
     );
     // Junk nested deep under an unknown key is skipped; the feed lands.
+    // sku-0 to sku-8: sweeping sku-9 marks a tenth of the place absent.
+    let items: Vec<String> = (1..9).map(|i| format!(r#"{{"id":"sku-{i}","price":{i}}}"#)).collect();
     let deep_meta = format!(
-        r#"{{"brand_id":7,"meta":{},"places":[{{"place_id":1,"items":[{{"id":"sku-0","title":"new","price":0}}]}}]}}"#,
-        nest(100_000)
+        r#"{{"brand_id":7,"meta":{},"places":[{{"place_id":1,"items":[{{"id":"sku-0","title":"new","price":0}},{}]}}]}}"#,
+        nest(100_000),
+        items.join(",")
     );
     let r = t.import("nested", deep_meta.as_bytes()).await.expect("deep junk under an unknown key");
-    assert_eq!((r.items, r.sweeps), (1, 1));
+    assert_eq!((r.items, r.sweeps, r.sweeps_applied, r.marked_absent), (9, 1, 1, 1));
     assert_eq!(t.product(1, "sku-0").await.expect("record").title.as_deref(), Some("new"));
     assert!(
         t.h.get(BRAND, 1, "sku-9").await.expect("get").expect("record").absent,
         "a good full import sweeps"
     );
+    // The brand after `places`, right: every item lands and the place is swept.
+    let late =
+        good(5).replacen(r#""brand_id":7,"#, "", 1).replacen("]}]}", r#"]}],"brand_id":7}"#, 1);
+    assert!(late.ends_with(r#""brand_id":7}"#), "{late}");
+    let r = t.import("nested", late.as_bytes()).await.expect("the brand may come last");
+    assert_eq!((r.items, r.sweeps), (5, 1));
+    assert!(!t.h.get(BRAND, 1, "sku-4").await.expect("get").expect("record").absent);
+    assert!(t.h.get(BRAND, 1, "sku-9").await.expect("get").expect("record").absent);
 }
 
 /// A place of `BRAND` whose partition is not `p`.

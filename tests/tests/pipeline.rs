@@ -21,6 +21,7 @@ fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
         poll_interval: None,
         format: Default::default(),
         clear_missing: true,
+        ..Default::default()
     }
 }
 

@@ -32,8 +32,9 @@ fn password(user: &str) -> String {
     format!("pw-{user}-s3cret")
 }
 
-/// The `authorization` block of compose/nats/nats.conf for a test prefix,
-/// with literal passwords instead of the environment lookups.
+/// compose/nats/nats.conf from its `authorization` block on (the users'
+/// permissions and accounts) for a test prefix, with literal passwords
+/// instead of the environment lookups.
 fn authorization(prefix: &str) -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../compose/nats/nats.conf");
     let conf = std::fs::read_to_string(path).expect("compose/nats/nats.conf");
@@ -42,11 +43,18 @@ fn authorization(prefix: &str) -> String {
     let mut block = conf[start..]
         .replace("shelfsync.", &format!("{prefix}."))
         .replace("SHELFSYNC_", &format!("{stream_prefix}_"));
-    for user in USERS {
+    // `sys`, of the system account, is no service's user: it only needs a password.
+    for user in USERS.iter().chain(&["sys"]) {
         let var = format!("$NATS_{}_PASSWORD", user.to_uppercase());
         block = block.replace(&var, &format!("\"{}\"", password(user)));
     }
+    // The account's JetStream limit must fit in the test server's (4 GB); the
+    // streams of a test reserve 1 GiB (the command stream's default limit).
     block
+        .lines()
+        .map(|l| if l.trim_start().starts_with("max_file:") { "max_file: 3GiB" } else { l })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn as_user(settings: &Settings, user: &str) -> Settings {
@@ -412,4 +420,174 @@ async fn redis_over_tls_is_switched_on_by_config() {
     h.send(vec![patch(BRAND, 1, "sku-1", &product("Roses", 100, 1), 0)]).await.expect("send");
     h.wait_settled().await;
     assert!(h.get(BRAND, 1, "sku-1").await.expect("get over TLS").is_some());
+}
+
+// --- Ingest's push endpoint ------------------------------------------------
+
+const FLOWERS_TOKEN: &str = "flowers-push-0123456789abcdef";
+const ROSES_TOKEN: &str = "roses-push-0123456789abcdef";
+
+#[tokio::test]
+async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
+    let env = TestEnv::start().await.expect("servers");
+    let dir = tempfile::tempdir().expect("dir");
+    let tokens_file = |name: &str, token: &str| {
+        let path = dir.path().join(format!("{name}.tokens"));
+        std::fs::write(&path, format!("# {name}\n{token}\n")).expect("tokens file");
+        path.display().to_string()
+    };
+    let (flowers, roses) =
+        (tokens_file("flowers", FLOWERS_TOKEN), tokens_file("roses", ROSES_TOKEN));
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    // `closed` has no token source: push is disabled for it.
+    settings.partners = Settings::from_toml(&format!(
+        "[[partners]]\nname = \"flowers\"\nbrand_id = {BRAND}\nkind = \"full\"\npush_tokens_file = \"{flowers}\"\n\
+         [[partners]]\nname = \"roses\"\nbrand_id = 8\nkind = \"full\"\npush_tokens_file = \"{roses}\"\n\
+         [[partners]]\nname = \"closed\"\nbrand_id = 9\nkind = \"full\"\n"
+    ))
+    .expect("partners")
+    .partners;
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let app = shelfsync_ingest::App::build(settings.clone()).await.expect("ingest");
+    let base = format!("http://{}", app.local_addr());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let ingest = tokio::spawn(app.run_until(async move { _ = stopped.await }));
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+
+    // A full feed of one item: accepted, it would sweep the rest of place 1.
+    let forged = format!(
+        r#"{{"brand_id":{BRAND},"places":[{{"place_id":1,"items":[{{"id":"forged"}}]}}]}}"#
+    );
+    let push = |partner: &str, authorization: Option<&str>| {
+        let mut request =
+            http.post(format!("{base}/v1/partners/{partner}/feed")).body(forged.clone());
+        if let Some(value) = authorization {
+            request = request.header("authorization", value);
+        }
+        async move {
+            let response = request.send().await.expect("push");
+            let status = response.status().as_u16();
+            let challenge = response
+                .headers()
+                .get("www-authenticate")
+                .map(|v| v.to_str().expect("ASCII").to_string());
+            let body: serde_json::Value =
+                serde_json::from_slice(&response.bytes().await.expect("body")).expect("JSON");
+            assert!(body["error"].is_string(), "a JSON error: {body}");
+            (status, challenge, body["error"].as_str().unwrap_or_default().to_string())
+        }
+    };
+    let bearer = |token: &str| format!("Bearer {token}");
+    let realm = Some(r#"Bearer realm="shelfsync-ingest""#.to_string());
+
+    let (status, challenge, _) = push("flowers", None).await;
+    assert_eq!((status, challenge), (401, realm.clone()), "no credentials");
+    let (status, challenge, _) =
+        push("flowers", Some(&bearer("wrong-token-0123456789abcdef"))).await;
+    assert_eq!((status, challenge), (401, realm.clone()), "a wrong token");
+    let (status, challenge, error) = push("flowers", Some(&bearer(ROSES_TOKEN))).await;
+    assert_eq!((status, challenge), (403, None), "another partner's token: {error}");
+    for malformed in ["Basic Zmxvd2VyczpzM2NyZXQ=", "Bearer", FLOWERS_TOKEN] {
+        let (status, challenge, _) = push("flowers", Some(malformed)).await;
+        assert_eq!((status, challenge), (401, realm.clone()), "malformed: {malformed:?}");
+    }
+    // Unauthenticated, a partner that does not exist looks like one that does.
+    let (status, _, error) = push("nobody", None).await;
+    assert_eq!(status, 401, "{error}");
+    assert!(!error.contains("nobody"), "{error}");
+    let (status, _, _) = push("nobody", Some(&bearer(FLOWERS_TOKEN))).await;
+    assert_eq!(status, 404, "an authenticated caller learns the partner does not exist");
+    let (status, _, error) = push("closed", Some(&bearer(FLOWERS_TOKEN))).await;
+    assert_eq!(status, 403);
+    assert!(error.contains("push_tokens_file") && error.contains("push_tokens_env"), "{error}");
+
+    let cmd_published = || async {
+        let mut stream = h.js.get_stream(h.subjects.cmd_stream()).await.expect("stream");
+        stream.info().await.expect("info").state.last_sequence
+    };
+    assert_eq!(cmd_published().await, 0, "refused pushes published no command");
+    let metrics = http.get(format!("{base}/metrics")).send().await.expect("metrics");
+    let metrics = metrics.text().await.expect("metrics text");
+    let refused = |partner: &str, reason: &str| {
+        let labels = format!("partner=\"{partner}\",reason=\"{reason}\"");
+        metric_value(&metrics, "shelfsync_ingest_push_refused_total", &labels)
+    };
+    assert_eq!(refused("flowers", "missing_token"), Some(1.0), "{metrics}");
+    assert_eq!(refused("flowers", "invalid_token"), Some(1.0));
+    assert_eq!(refused("flowers", "other_partner"), Some(1.0));
+    assert_eq!(refused("flowers", "malformed_header"), Some(3.0));
+    assert_eq!(refused("unknown", "missing_token"), Some(1.0));
+    assert_eq!(refused("unknown", "unknown_partner"), Some(1.0));
+    assert_eq!(refused("closed", "push_disabled"), Some(1.0));
+
+    // The partner's own token: accepted, and its changes are all there are.
+    let feed = format!(
+        r#"{{"brand_id":{BRAND},"places":[{{"place_id":1,"items":[{{"id":"a"}},{{"id":"b"}},{{"id":"c"}}]}}]}}"#
+    );
+    let response = http
+        .post(format!("{base}/v1/partners/flowers/feed"))
+        .bearer_auth(FLOWERS_TOKEN)
+        .body(feed)
+        .send()
+        .await
+        .expect("push");
+    assert_eq!(response.status(), 200);
+    let report: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.expect("body")).expect("report");
+    assert_eq!((report["items"].as_u64(), report["sweeps"].as_u64()), (Some(3), Some(1)));
+    h.wait_settled().await;
+    let published =
+        report["batches"].as_u64().unwrap_or(0) + report["sweeps"].as_u64().unwrap_or(0);
+    assert_eq!(cmd_published().await, published, "only the accepted push's messages");
+    let mut changed: Vec<String> = h
+        .changes()
+        .await
+        .expect("changes")
+        .iter()
+        .filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone()))
+        .collect();
+    changed.sort();
+    assert_eq!(changed, ["a", "b", "c"], "one change per accepted item, none from refused pushes");
+    assert!(h.get(BRAND, 1, "forged").await.expect("get").is_none());
+    _ = stop.send(());
+    ingest.await.expect("task").expect("ingest stops");
+}
+
+/// Storage's relay reads its change subjects back (scenario 5c) under the
+/// `storage` user of compose/nats/nats.conf: killed between publishing an
+/// outbox and trimming it, restarted past a one second dedup window, it
+/// stores nothing twice and trips no permission.
+#[tokio::test]
+async fn storage_reads_its_subjects_back_under_its_own_permissions() {
+    let prefix = unique_name();
+    let conf = authorization(&prefix);
+    let (nats, redis) =
+        tokio::try_join!(NatsServer::start_with_config(&conf), RedisServer::start())
+            .expect("servers");
+    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
+    let mut base = settings_for(&env);
+    base.storage.keyframe_schedule = String::new();
+    let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
+    for i in 0..5 {
+        h.send(vec![patch(BRAND, 1, &format!("sku-{i}"), &product("Roses", 100, 1), 0)])
+            .await
+            .expect("send");
+    }
+    let storage = as_user(&base, "storage");
+    let window = ("SHELFSYNC__NATS__DUPLICATE_WINDOW", "1s");
+    let user = ("SHELFSYNC__NATS__USER", "storage");
+    let pw = password("storage");
+    let pass = ("SHELFSYNC__NATS__PASSWORD", pw.as_str());
+    let doomed_env = [window, user, pass, ("SHELFSYNC_FAILPOINT", "after_outbox_publish@1")];
+    let mut doomed = StorageProcess::start(&storage, &doomed_env).expect("storage");
+    assert!(!doomed.wait_exit(Duration::from_secs(30)).await.expect("aborts").success());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _storage = StorageProcess::start(&storage, &[window, user, pass]).expect("storage again");
+    h.wait_settled().await;
+    assert_eq!(h.changes().await.expect("changes").len(), 5, "each change once");
+    let log = std::fs::read_to_string(env.nats.log_path()).expect("nats log");
+    assert!(!log.contains("Violation"), "no permission violation: {log}");
 }

@@ -68,6 +68,7 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
         poll_interval: None,
         format: Default::default(),
         clear_missing: true,
+        ..Default::default()
     };
     settings.partners = vec![partner.clone()];
     let h = Harness::connect(settings.clone()).await.expect("harness");

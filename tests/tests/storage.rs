@@ -322,6 +322,7 @@ async fn a_queue_is_committed_in_batches_read_ahead_with_the_serial_outcome() {
     let stats = &storage.stats;
     let get = shelfsync_storage::Stats::get;
     assert_eq!(get(&stats.batches), batches.len() as u64, "each message committed once");
+    assert_eq!(get(&stats.changes), model.changes as u64, "every change counted once");
     let ahead = get(&stats.batches_ahead);
     eprintln!("{} messages, {ahead} committed ahead of their delivery", batches.len());
     assert!(ahead > batches.len() as u64 / 2, "most of the queue was read ahead: {ahead}");

@@ -79,6 +79,7 @@ async fn one_import_is_one_trace_from_ingest_through_storage_to_a_consumer() {
         poll_interval: None,
         format: Default::default(),
         clear_missing: true,
+        ..Default::default()
     };
     settings.partners = vec![partner.clone()];
     let h = Harness::connect(settings.clone()).await.expect("harness");

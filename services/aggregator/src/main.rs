@@ -11,15 +11,17 @@ use clap::Parser;
     about = "master cards (min price per product and region) and non-empty categories per place"
 )]
 struct Args {
-    /// TOML settings file; SHELFSYNC__SECTION__KEY variables override it.
-    #[arg(long, env = "SHELFSYNC_CONFIG")]
-    config: Option<PathBuf>,
+    /// TOML settings files, in order (repeat --config, or separate them with
+    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
+    /// SHELFSYNC__SECTION__KEY variables override them all.
+    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
+    config: Vec<PathBuf>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load(args.config.as_deref())?;
+    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
     let _telemetry = shelfsync_telemetry::init("shelfsync-aggregator", &settings.telemetry)?;
     shelfsync_aggregator::App::build(settings)
         .await?

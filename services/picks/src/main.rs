@@ -10,9 +10,11 @@ use clap::Parser;
     about = "discounted picks per place, from the change stream"
 )]
 struct Args {
-    /// TOML settings file; SHELFSYNC__SECTION__KEY variables override it.
-    #[arg(long, env = "SHELFSYNC_CONFIG")]
-    config: Option<PathBuf>,
+    /// TOML settings files, in order (repeat --config, or separate them with
+    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
+    /// SHELFSYNC__SECTION__KEY variables override them all.
+    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
+    config: Vec<PathBuf>,
     /// HTTP listen address.
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -21,7 +23,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load(args.config.as_deref())?;
+    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
     let _telemetry = shelfsync_telemetry::init("shelfsync-picks", &settings.telemetry)?;
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     let picks = shelfsync_picks::Picks::default();
