@@ -116,6 +116,7 @@ pub fn partner(prices_only: bool) -> PartnerSettings {
         poll_interval: None,
         format: FeedFormat::Auto,
         clear_missing: true,
+        ..Default::default()
     }
 }
 
