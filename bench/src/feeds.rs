@@ -1,4 +1,4 @@
-//! The generated dumps of a run (gen-feed's generator, DESIGN §8 format) and the number of
+//! The generated dumps of a run (gen-feed's generator, feed format) and the number of
 //! changes each must cause, predicted from the generator itself.
 
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
-//! The shelfsync benchmark harness (DESIGN §7): starts its own nats-server and redis-server on
-//! loopback, generates feeds with gen-feed's generator, and in one run measures every scenario
-//! next to its references, so every figure is a ratio against something measured on the same
-//! machine, minutes apart.
+//! The shelfsync benchmark harness (docs/DESIGN.md, Performance targets): starts its own
+//! nats-server and redis-server on loopback, generates feeds with gen-feed's generator, and in one
+//! run measures every scenario next to its references, so every figure is a ratio against
+//! something measured on the same machine, minutes apart.
 //!
 //! - `cli` / `profile`: the command line and the sizes of `--quick` and the full run;
 //! - `world`: the servers, settings per system (prefix, namespace, Redis db), stream helpers;

@@ -1,5 +1,5 @@
 //! What a run found: the data (`bench.json`), the tables (`bench.md`, also printed), and the
-//! DESIGN §7 targets checked against same-run references.
+//! The performance targets (docs/DESIGN.md) checked against same-run references.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -295,7 +295,7 @@ impl Report {
         self.targets = self.check_targets();
     }
 
-    /// DESIGN §7, each against its same-run reference.
+    /// The performance targets, each against its same-run reference.
     fn check_targets(&self) -> Vec<TargetCheck> {
         let mut out = Vec::new();
         let mut push = |target: &str, measured: String, holds: Option<bool>| {
@@ -461,8 +461,7 @@ impl Report {
         self.md_live(&mut md);
         self.md_rss(&mut md);
         self.md_recommender(&mut md);
-        let _ =
-            writeln!(md, "### Targets (DESIGN §7)\n\n| target | measured | holds |\n|---|---|---|");
+        let _ = writeln!(md, "### Targets\n\n| target | measured | holds |\n|---|---|---|");
         for t in &self.targets {
             let verdict = match t.holds {
                 Some(true) => "yes",

@@ -402,7 +402,7 @@ mod tests {
         assert_eq!((sa.items, sa.places), (150, 3));
         assert_eq!(sb.items, 150);
 
-        // Items look like the §8 example and are about 200–250 bytes.
+        // Items look like the feed format's example and are about 200–250 bytes.
         let per_item = sa.bytes / sa.items;
         assert!((180..=280).contains(&per_item), "{per_item} bytes per item");
         let categories: BTreeSet<String> = ia.values().map(|i| i["category"].to_string()).collect();

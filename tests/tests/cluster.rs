@@ -1,6 +1,6 @@
 //! Scale-out against real clusters on loopback: a 3-master Redis Cluster
 //! (`redis-cli --cluster create`) and a 3-node NATS cluster with R3 JetStream
-//! streams (DESIGN §4 "Shard locality", "Ordering and ownership").
+//! streams (docs/DESIGN.md, "Redis layout" and "Ordering and the commit").
 //!
 //! - storage on Redis Cluster: many places of one partition in one batch stay
 //!   on one slot (no CROSSSLOT), and every read path works;

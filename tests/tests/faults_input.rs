@@ -402,8 +402,8 @@ async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flo
                     .encode_to_vec(),
             ),
             stale,
-            // Accepted: storage is schema-agnostic (DESIGN §4) and business
-            // rules are the validator's.
+            // Accepted: storage is schema-agnostic and business rules are
+            // the validator's.
             cmd(1, "bad-utf8", CommandKind::Patch, title_invalid_utf8),
             cmd(1, "unknown-field", CommandKind::Patch, unknown_field),
             good("negative", 5),

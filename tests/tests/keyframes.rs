@@ -1,8 +1,8 @@
-//! Keyframes against real nats-server and redis-server (DESIGN §4): the parts,
-//! count and digest of an on-demand snapshot, one-place snapshots, where the
-//! marker sits in the change stream under live writes, the cron schedule,
-//! retention of old keyframes, expired tombstones, tombstones purged while
-//! their place is frozen, giving way to late live changes, and two replicas.
+//! Keyframes against real nats-server and redis-server: the parts, count and
+//! digest of an on-demand snapshot, one-place snapshots, where the marker sits
+//! in the change stream under live writes, the cron schedule, retention of old
+//! keyframes, expired tombstones, tombstones purged while their place is
+//! frozen, giving way to late live changes, and two replicas.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -165,7 +165,7 @@ fn product_id(r: &Record) -> &str {
     r.key.as_ref().map_or("", |k| k.product_id.as_str())
 }
 
-/// The digest as any consumer computes it (DESIGN §4).
+/// The digest as any consumer computes it (docs/DESIGN.md, Keyframes).
 fn digest_of<'a>(items: impl IntoIterator<Item = (&'a str, i64)>) -> Digest {
     let mut d = Digest::default();
     for (id, updated_at) in items {

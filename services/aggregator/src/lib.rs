@@ -1,11 +1,11 @@
-//! shelfsync aggregator (DESIGN §5): **master cards** — per product and
-//! region, the minimum price over offers that are visible, present, not
-//! deleted and in stock, with the offer count and where the minimum is — and
-//! the **category cache** — per place, the categories with at least one such
-//! offer. It follows the change stream with the ChangeFeed kit, keeps the
-//! aggregates in Redis with set semantics (a redelivered batch changes
-//! nothing), publishes an `AggregateChange` on `<prefix>.aggregates.…` only
-//! when an aggregate actually changed, and serves them over HTTP.
+//! shelfsync aggregator: **master cards** — per product and region, the minimum
+//! price over offers that are visible, present, not deleted and in stock, with
+//! the offer count and where the minimum is — and the **category cache** — per
+//! place, the categories with at least one such offer. It follows the change
+//! stream with the ChangeFeed kit, keeps the aggregates in Redis with set
+//! semantics (a redelivered batch changes nothing), publishes an
+//! `AggregateChange` on `<prefix>.aggregates.…` only when an aggregate actually
+//! changed, and serves them over HTTP.
 //!
 //! - [`aggregate`]: qualification, regions, the plan a batch turns into and
 //!   when an aggregate changed (pure, where most tests live);

@@ -1,4 +1,5 @@
-//! Ingest: turns partner feeds into per-record PATCH commands (DESIGN §2, §8).
+//! Ingest: turns partner feeds into per-record PATCH commands (docs/DESIGN.md,
+//! Services).
 //!
 //! - [`feed`]: the streaming parser of the feed format (nested object or
 //!   NDJSON), memory bounded independently of the feed size; pure;

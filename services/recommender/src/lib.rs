@@ -1,7 +1,7 @@
-//! shelfsync recommender (DESIGN §5): an in-memory index of the offers that
-//! can be recommended — visible, present, not deleted, in stock, priced —
-//! per place and category, ranked by discount depth, then stock, then
-//! product id; answered as top-N queries in microseconds.
+//! shelfsync recommender: an in-memory index of the offers that can be
+//! recommended — visible, present, not deleted, in stock, priced — per place
+//! and category, ranked by discount depth, then stock, then product id;
+//! answered as top-N queries in microseconds.
 //!
 //! - `GET /v1/top/{brand}/{place}?category=C&limit=N&exclude=a,b` → JSON list
 //!   of `{product_id, category, price, old_price, stock, discount}`, best

@@ -1,6 +1,7 @@
-//! The pure core of storage (DESIGN §4): applies one command batch to the
-//! records it touches and says what changed. No I/O: the caller loads the
-//! touched records, calls [`apply_batch`], and commits the [`Outcome`].
+//! The pure core of storage (docs/DESIGN.md, Storage semantics): applies one
+//! command batch to the records it touches and says what changed. No I/O: the
+//! caller loads the touched records, calls [`apply_batch`], and commits the
+//! [`Outcome`].
 
 use std::collections::HashMap;
 

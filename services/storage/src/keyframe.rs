@@ -1,5 +1,5 @@
-//! Keyframes (DESIGN §4): consistent per-place snapshots that hold back
-//! live changes only for one Redis step per place.
+//! Keyframes (docs/DESIGN.md, Keyframes): consistent per-place snapshots that
+//! hold back live changes only for one Redis step per place.
 //!
 //! For each place:
 //! 1. **freeze**, in the partition's worker between two command messages:

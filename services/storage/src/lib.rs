@@ -1,5 +1,6 @@
-//! shelfsync storage (DESIGN §4): the current state of every record in
-//! Redis, and a change published only when something really changed.
+//! shelfsync storage (docs/DESIGN.md, Storage semantics): the current state
+//! of every record in Redis, and a change published only when something
+//! really changed.
 //!
 //! - [`apply`]: the pure core — merge, change detection, CAS, generations,
 //!   sweeps, tombstones. No I/O; most tests live here.

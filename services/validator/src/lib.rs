@@ -1,8 +1,8 @@
-//! shelfsync validator (DESIGN §5): hides offers whose data breaks a
-//! configured rule, and shows them again once fixed, by a `state` PATCH
-//! conditional on the `updated_at` it judged (CAS). Stateless: every replica
-//! shares one durable consumer of the change stream; a conflict (the record
-//! moved on) is normal — the newer version is judged when it arrives.
+//! shelfsync validator: hides offers whose data breaks a configured rule, and
+//! shows them again once fixed, by a `state` PATCH conditional on the
+//! `updated_at` it judged (CAS). Stateless: every replica shares one durable
+//! consumer of the change stream; a conflict (the record moved on) is normal —
+//! the newer version is judged when it arrives.
 //!
 //! - [`rules`]: the rule kinds and the registry building them from settings
 //!   (pure);

@@ -1,4 +1,4 @@
-//! The order-independent digest of a place (DESIGN §4, keyframes): the
+//! The order-independent digest of a place (docs/DESIGN.md, Keyframes): the
 //! wrapping (mod 2^64) sum, over every record, of xxh3-64 (seed 0) of the
 //! `product_id` UTF-8 bytes followed by `updated_at` as 8 little-endian bytes.
 //! A consumer keeps it incrementally (subtract the old term, add the new) and

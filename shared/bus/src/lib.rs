@@ -1,4 +1,5 @@
-//! NATS JetStream plumbing shared by every service (DESIGN §2, §3).
+//! NATS JetStream plumbing shared by every service (see docs/DESIGN.md,
+//! Subjects and streams).
 //!
 //! - [`Subjects`]: every subject and stream name, derived from one prefix;
 //! - [`Partition`] / [`partition_of`]: the stable command partitioning;

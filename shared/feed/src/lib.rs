@@ -1,5 +1,5 @@
-//! The ChangeFeed kit (DESIGN §5): what every consumer of shelfsync changes
-//! uses, and what a new service starts from.
+//! The ChangeFeed kit: what every consumer of shelfsync changes uses, and
+//! what a new service starts from (docs/SUBSCRIBING.md).
 //!
 //! A service implements [`Handler`] (apply a slice of [`Update`]s, forget a
 //! place) and runs a [`ChangeFeed`]. The kit:

@@ -1,4 +1,5 @@
-//! The `shelfsync.v1` wire contract (DESIGN §3), generated from `proto/`.
+//! The `shelfsync.v1` wire contract (docs/DESIGN.md, Messages), generated
+//! from `proto/`.
 //!
 //! Owns the message types and the names of message types carried in the
 //! `Shelfsync-Type` header. Holds no logic beyond small constructors.

@@ -1,6 +1,6 @@
 //! Redis plumbing shared by every shelfsync service that keeps state in Redis
 //! (storage, ingest, aggregator): one connection type for a standalone server
-//! or a Redis Cluster, chosen by config (DESIGN §8, `[redis] cluster`).
+//! or a Redis Cluster, chosen by config (`[redis] cluster`).
 //!
 //! - [`RedisConn`]: connect with the configured URL(s), timeouts and retries;
 //!   use it anywhere a `redis::aio::ConnectionLike` goes (`query_async`,

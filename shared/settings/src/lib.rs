@@ -1,4 +1,5 @@
-//! Typed settings shared by every shelfsync binary (DESIGN §6, §8).
+//! Typed settings shared by every shelfsync binary (docs/DESIGN.md,
+//! Configuration).
 //!
 //! Layers, lowest first: built-in defaults, the TOML files given with
 //! `--config FILE` (several, in order: a later file overrides an earlier
@@ -468,7 +469,7 @@ pub struct PartnerSettings {
     pub name: String,
     pub brand_id: i64,
     pub kind: ImportKind,
-    /// Product fields this partner's feed owns (feed names, DESIGN §8).
+    /// Product fields this partner's feed owns, by their names in the feed.
     #[serde(default = "all_fields")]
     pub fields: Vec<String>,
     /// File path, `file://` URL or `http(s)://` URL polled by the ingest service.

@@ -1,6 +1,6 @@
-//! Process plumbing for every shelfsync binary (DESIGN §6, STYLE
-//! "Telemetry"): tracing initialisation, OpenTelemetry export, trace context
-//! in NATS headers, Prometheus metrics and the shutdown signal.
+//! Process plumbing for every shelfsync binary: tracing initialisation,
+//! OpenTelemetry export, trace context in NATS headers, Prometheus metrics
+//! and the shutdown signal.
 //!
 //! - [`init`] installs the subscriber — env filter, text or JSON lines (with
 //!   `trace_id` / `span_id`), and the OpenTelemetry layer exporting OTLP

@@ -1,8 +1,8 @@
-//! Tests of the pure storage core (DESIGN §4). Batches go through [`Store`],
-//! an in-memory stand-in that loads slots and commits dirty ones the way
-//! `store.rs` does against Redis, so scenarios spanning several batches
-//! behave as they do in production. Properties at the end compare the core
-//! with a deliberately naive model of the merge.
+//! Tests of the pure storage core (docs/DESIGN.md, Storage semantics).
+//! Batches go through [`Store`], an in-memory stand-in that loads slots and
+//! commits dirty ones the way `store.rs` does against Redis, so scenarios
+//! spanning several batches behave as they do in production. Properties at
+//! the end compare the core with a deliberately naive model of the merge.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -1363,7 +1363,7 @@ fn seen(changes: &[Change]) -> Vec<Seen> {
         .collect()
 }
 
-/// The naive reading of DESIGN §4: decode, overwrite present fields, clear.
+/// The naive reading of the merge rule: decode, overwrite present fields, clear.
 fn overwrite(mut base: Product, patch: &Product, clear: &[u32]) -> Product {
     macro_rules! take {
         ($($f:ident),*) => { $( if patch.$f.is_some() { base.$f = patch.$f.clone(); } )* };
