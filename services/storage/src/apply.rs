@@ -397,8 +397,9 @@ pub(crate) fn change(
 ) -> Change {
     let empty = Record::default();
     let b = before.map_or(&empty, |(r, _)| r);
-    // Both sides are canonical (merge output), so any error means stored
-    // garbage; report every field as changed rather than none.
+    // Both sides are canonical (merge output), so an error means stored
+    // garbage; the field lists are then left empty (a hint only: before and
+    // after stay exact).
     let changed_data = shelfsync_merge::changed_fields(&b.data, &after.data).unwrap_or_default();
     let changed_state = shelfsync_merge::changed_fields(&b.state, &after.state).unwrap_or_default();
     Change {

@@ -193,7 +193,8 @@ pub struct NatsSettings {
     /// JetStream deduplication window of the streams (Nats-Msg-Id).
     #[serde(with = "humantime_serde")]
     pub duplicate_window: Duration,
-    /// How long the CHANGES and REJECTS streams keep messages.
+    /// How long the CHANGES, KEYFRAMES, AGGREGATES and REJECTS streams keep
+    /// messages.
     #[serde(with = "humantime_serde")]
     pub changes_max_age: Duration,
     #[serde(with = "humantime_serde")]
