@@ -53,7 +53,7 @@ async fn storage_aborted_at_every_step_boundary_of_a_churning_import_matches_the
             StorageProcess::start(&settings, &[("SHELFSYNC_FAILPOINT", spec.as_str())])
                 .expect("storage");
         let status = doomed
-            .wait_exit(Duration::from_secs(30))
+            .wait_exit(Duration::from_secs(90))
             .await
             .unwrap_or_else(|e| panic!("storage did not reach {spec}: {e}"));
         assert!(!status.success(), "storage must have aborted at {spec}");

@@ -110,7 +110,7 @@ async fn a_publish_whose_ack_is_lost_is_retried_and_stored_once() {
 
 #[tokio::test]
 async fn replays_past_the_dedup_window_change_nothing_for_storage_or_consumers() {
-    let window = Duration::from_secs(1);
+    let window = Duration::from_secs(3);
     let (_env, h, storage) = start(|s| s.nats.duplicate_window = window).await;
     let mirror = FeedMirror::default();
     let feed = RunningFeed::tail(&h, "replay-mirror", mirror.clone());
