@@ -464,9 +464,11 @@ impl Run<'_> {
         let subject = self.subjects.cmd(partition);
         let span = shelfsync_telemetry::send_span!(
             "ingest.send",
+            self.subjects.template(&subject),
             subject,
             messaging.message.id = %msg_id,
-            messaging.batch.message_count = batch.commands.len() + batch.sweeps.len(),
+            shelfsync.command_count = batch.commands.len(),
+            shelfsync.sweep_count = batch.sweeps.len(),
         );
         let kind = msg_type::COMMAND_BATCH;
         self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
@@ -496,9 +498,10 @@ impl Run<'_> {
         let subject = self.subjects.rejects(self.partner.brand_id, self.rejects.0);
         let span = shelfsync_telemetry::send_span!(
             "ingest.send",
+            self.subjects.template(&subject),
             subject,
             messaging.message.id = %msg_id,
-            messaging.batch.message_count = rejections.len(),
+            shelfsync.rejection_count = rejections.len(),
         );
         let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
         let kind = msg_type::REJECTION_BATCH;

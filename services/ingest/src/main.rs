@@ -17,7 +17,7 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let settings = shelfsync_settings::Settings::load_files(&args.config)?;
-    let _telemetry = shelfsync_telemetry::init("ingest", &settings.telemetry)?;
+    let _telemetry = shelfsync_telemetry::init("shelfsync-ingest", &settings.telemetry)?;
     let app = shelfsync_ingest::App::build(settings).await?;
     app.run_until(shelfsync_ingest::shutdown_signal()).await
 }

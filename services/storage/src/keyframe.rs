@@ -569,8 +569,8 @@ impl Worker {
         let yielded = self.keyframe_limits.pace(records).await;
         if !yielded.is_zero() {
             self.stats.add(&self.stats.keyframe_yield_us, yielded.as_micros() as u64);
-            metrics::counter!(shelfsync_telemetry::names::KEYFRAME_YIELD_US)
-                .increment(yielded.as_micros() as u64);
+            metrics::histogram!(shelfsync_telemetry::names::KEYFRAME_YIELD_SECONDS)
+                .record(yielded.as_secs_f64());
         }
     }
 

@@ -176,6 +176,7 @@ impl Relay {
                 }
                 let span = shelfsync_telemetry::send_span!(
                     "storage.relay",
+                    self.subjects.template(&e.subject),
                     e.subject,
                     partition = self.partition.0,
                 );

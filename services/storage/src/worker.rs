@@ -565,13 +565,16 @@ impl Worker {
         let ahead = stream.filter(|_| delivered == 1 && pending > 0);
         let span = shelfsync_telemetry::process_span!(
             "storage.apply_batch",
+            self.subjects.template(&msg.subject),
             msg.subject,
             self.subjects.storage_consumer(self.partition),
             partition = self.partition.0,
             command_seq = seq,
             delivered,
-            batch.size = tracing::field::Empty,
-            batch.ahead = tracing::field::Empty,
+            messaging.batch.message_count = tracing::field::Empty,
+            shelfsync.command_count = tracing::field::Empty,
+            shelfsync.sweep_count = tracing::field::Empty,
+            shelfsync.read_ahead = tracing::field::Empty,
         );
         shelfsync_telemetry::set_parent(
             &span,
@@ -640,11 +643,15 @@ impl Worker {
             let mut parts = vec![(seq, batch)];
             if let Some((stream, pending)) = ahead {
                 self.read_ahead(stream, pending, &mut parts).await;
-                span.record("batch.ahead", parts.len() - 1);
+                span.record("shelfsync.read_ahead", parts.len() - 1);
+            }
+            // Messages read ahead are applied with this one: a batch
+            // operation in the messaging conventions' sense.
+            if parts.len() > 1 {
+                span.record("messaging.batch.message_count", parts.len());
             }
             let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
-            span.record("batch.size", commands);
-            span.record("messaging.batch.message_count", commands);
+            span.record("shelfsync.command_count", commands);
             match self.apply_and_commit(&parts, &trace, relay).await {
                 Ok(Handled::Applied) => {
                     failpoint::hit("after_commit");
@@ -658,8 +665,8 @@ impl Worker {
                 other => other,
             }
         } else {
-            span.record("batch.size", batch.commands.len());
-            span.record("messaging.batch.message_count", batch.commands.len() + batch.sweeps.len());
+            span.record("shelfsync.command_count", batch.commands.len());
+            span.record("shelfsync.sweep_count", batch.sweeps.len());
             self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await
         };
         match result {

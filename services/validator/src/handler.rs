@@ -121,8 +121,9 @@ impl Validator {
             let subject = self.subjects.cmd(partition);
             let span = shelfsync_telemetry::send_span!(
                 "validator.send",
+                self.subjects.template(&subject),
                 subject,
-                messaging.batch.message_count = batch.commands.len()
+                shelfsync.command_count = batch.commands.len()
             );
             self.publisher
                 .publish(subject, id, msg_type::COMMAND_BATCH, None, batch.encode_to_vec().into())
@@ -133,9 +134,9 @@ impl Validator {
         self.publisher.flush().await.map_err(transient)?;
         self.stats.hides.fetch_add(hides, Ordering::Relaxed);
         self.stats.unhides.fetch_add(unhides, Ordering::Relaxed);
-        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "hide")
+        metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "hide")
             .increment(hides);
-        metrics::counter!("shelfsync_validator_decisions_total", "decision" => "unhide")
+        metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "unhide")
             .increment(unhides);
         self.stats.duplicates.fetch_add(self.publisher.duplicates - before, Ordering::Relaxed);
         Ok(())

@@ -131,6 +131,35 @@ impl Subjects {
         format!("{}_REJECTS", self.stream_prefix)
     }
 
+    /// The destination template of `subject` (OpenTelemetry messaging
+    /// conventions): the varying tokens named, `<prefix>.cmd.{partition}`,
+    /// `<prefix>.changes.{brand_id}.{place_id}`, so that span names stay
+    /// few. Subjects without varying tokens (`ctl.*`, `read.*`) and foreign
+    /// ones come back as they are.
+    pub fn template(&self, subject: &str) -> String {
+        /// The leading tokens of a kind of subject and the names of the
+        /// tokens that follow them.
+        const SHAPES: &[(&[&str], &[&str])] = &[
+            (&["cmd"], &["{partition}"]),
+            (&["changes"], &["{brand_id}", "{place_id}"]),
+            (&["rejects"], &["{brand_id}", "{place_id}"]),
+            (&["keyframes"], &["{brand_id}", "{place_id}"]),
+            (&["aggregates", "cards"], &["{region}"]),
+            (&["aggregates", "categories"], &["{brand_id}", "{place_id}"]),
+        ];
+        let Some(rest) = subject.strip_prefix(&self.prefix).and_then(|r| r.strip_prefix('.'))
+        else {
+            return subject.to_string();
+        };
+        let tokens: Vec<&str> = rest.split('.').collect();
+        for (lead, names) in SHAPES {
+            if tokens.len() == lead.len() + names.len() && tokens.starts_with(lead) {
+                return [&[self.prefix.as_str()][..], lead, names].concat().join(".");
+            }
+        }
+        subject.to_string()
+    }
+
     /// Durable consumer name of the storage worker of one partition. Named
     /// by partition, not by replica, so that a new owner resumes where the
     /// old one stopped.
@@ -159,6 +188,26 @@ mod tests {
         assert_eq!(s.changes_filter(Some(7), None), "t1.shelf-x.changes.7.*");
         assert_eq!(s.cmd_stream(), "T1_SHELF_X_CMD");
         assert_eq!(Subjects::new("shelfsync").changes_stream(), "SHELFSYNC_CHANGES");
+    }
+
+    #[test]
+    fn templates_name_the_varying_tokens() {
+        let s = Subjects::new("t1.shelf-x");
+        assert_eq!(s.template(&s.cmd(Partition(3))), "t1.shelf-x.cmd.{partition}");
+        assert_eq!(s.template(&s.changes(7, 42)), "t1.shelf-x.changes.{brand_id}.{place_id}");
+        assert_eq!(s.template(&s.rejects(7, 0)), "t1.shelf-x.rejects.{brand_id}.{place_id}");
+        assert_eq!(s.template(&s.keyframes(7, 42)), "t1.shelf-x.keyframes.{brand_id}.{place_id}");
+        assert_eq!(
+            s.template(&s.aggregates_card("eu west")),
+            "t1.shelf-x.aggregates.cards.{region}"
+        );
+        assert_eq!(
+            s.template(&s.aggregates_category(7, 42)),
+            "t1.shelf-x.aggregates.categories.{brand_id}.{place_id}"
+        );
+        assert_eq!(s.template(&s.ctl_keyframe()), "t1.shelf-x.ctl.keyframe");
+        assert_eq!(s.template("other.cmd.3"), "other.cmd.3");
+        assert_eq!(s.template("t1.shelf-x.cmd.3.extra"), "t1.shelf-x.cmd.3.extra");
     }
 
     #[test]

@@ -107,6 +107,9 @@ pub struct FeedConfig {
     /// Durable consumer name: one per service (and per instance when
     /// bootstrapping from keyframes).
     pub name: String,
+    /// The `consumer` label of the feed's lag metric: the same after a
+    /// restart, unlike a per-instance `name` (the service's name then).
+    pub metric_label: String,
     pub brand: Option<i64>,
     pub place: Option<i64>,
     pub bootstrap: Bootstrap,
@@ -118,9 +121,12 @@ pub struct FeedConfig {
 }
 
 impl FeedConfig {
+    /// A consumer named `name`, its metrics labelled `name` too.
     pub fn new(name: impl Into<String>) -> Self {
+        let name = name.into();
         Self {
-            name: name.into(),
+            metric_label: name.clone(),
+            name,
             brand: None,
             place: None,
             bootstrap: Bootstrap::Keyframe,
@@ -149,6 +155,16 @@ pub struct FeedStatus {
 impl FeedStatus {
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
+    }
+
+    /// Publishes these counters as the process's `shelfsync_feed_*`
+    /// metrics (one feed per service process); drift repairs are counted
+    /// where they happen. Call it inside `render_metrics_after`.
+    pub fn record_metrics(&self) {
+        metrics::counter!(names::FEED_DELIVERED).absolute(Self::get(&self.delivered));
+        metrics::counter!(names::FEED_DUPLICATES).absolute(Self::get(&self.duplicates));
+        metrics::counter!(names::FEED_POISON).absolute(Self::get(&self.poison));
+        metrics::gauge!(names::FEED_POSITION).set(Self::get(&self.position) as f64);
     }
 }
 
@@ -214,7 +230,7 @@ impl ChangeFeed {
         // Sampled by its own task: a handler that hangs must show as lag.
         let sampler = {
             let mut consumer = consumer.clone();
-            let name = self.cfg.name.clone();
+            let name = self.cfg.metric_label.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(LAG_EVERY);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -352,9 +368,11 @@ impl ChangeFeed {
         }
         let span = shelfsync_telemetry::process_span!(
             "feed.process",
+            self.subjects.template(&msg.subject),
             msg.subject,
             self.cfg.name,
             feed = %self.cfg.name,
+            shelfsync.change_count = tracing::field::Empty,
         );
         shelfsync_telemetry::set_parent(
             &span,
@@ -385,7 +403,7 @@ impl ChangeFeed {
     ) -> Result<(), HandlerError> {
         let batch = ChangeBatch::decode(msg.payload.as_ref())
             .map_err(|e| HandlerError::Poison(format!("not a ChangeBatch: {e}")))?;
-        tracing::Span::current().record("messaging.batch.message_count", batch.changes.len());
+        tracing::Span::current().record("shelfsync.change_count", batch.changes.len());
         if let Some(mark) = &batch.keyframe {
             let Some(place) = place_of_subject(&msg.subject) else {
                 return Err(HandlerError::Poison(format!("bad change subject {}", msg.subject)));

@@ -1,26 +1,29 @@
 //! Process plumbing for every shelfsync binary: tracing initialisation,
-//! OpenTelemetry export, trace context in NATS headers, Prometheus metrics
-//! and the shutdown signal.
+//! OpenTelemetry export, trace context in NATS and HTTP headers, HTTP server
+//! instrumentation, Prometheus metrics and the shutdown signal.
 //!
 //! - [`init`] installs the subscriber — env filter, text or JSON lines (with
-//!   `trace_id` / `span_id`), and the OpenTelemetry layer exporting OTLP
-//!   over gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`)
-//!   is set — and returns a [`Guard`] that flushes and shuts the exporter
-//!   down when dropped. Without an endpoint spans still get ids (so context
-//!   propagates and logs carry trace ids) but nothing is exported: no
-//!   exporter, no background thread, no retries. `OTEL_SERVICE_NAME`,
-//!   `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` / `_ARG`,
-//!   `OTEL_EXPORTER_OTLP_TIMEOUT` / `_HEADERS` and `OTEL_BSP_*` are honoured
-//!   by the SDK; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
-//!   turn export off.
-//! - [`inject`] / [`extract`]: W3C `traceparent` / `tracestate` in NATS
-//!   headers (`shelfsync_bus::Publisher` injects automatically).
+//!   `trace_id` / `span_id`), and the OpenTelemetry layer exporting OTLP when
+//!   `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set — and
+//!   returns a [`Guard`] that flushes and shuts the exporter down when
+//!   dropped. Without an endpoint spans still get ids (so context propagates
+//!   and logs carry trace ids) but nothing is exported: no exporter, no
+//!   background thread, no retries. The variables read here are listed in
+//!   [`Options::from_vars`] (protocol, sampler, propagators); the SDK itself
+//!   honours `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+//!   `OTEL_EXPORTER_OTLP_TIMEOUT` / `_HEADERS` / `_COMPRESSION` and
+//!   `OTEL_BSP_*`. What cannot be honoured is logged as a warning at start.
+//! - [`inject`] / [`extract`]: trace context in NATS headers
+//!   (`shelfsync_bus::Publisher` injects automatically).
 //! - [`send_span!`] / [`process_span!`]: producer and consumer spans after
 //!   the OpenTelemetry messaging conventions.
+//! - [`instrument`]: server spans and HTTP metrics for an axum router.
 //! - [`render_metrics`]: the Prometheus text of every `metrics` metric of
-//!   the process; metric names are in [`names`].
+//!   the process, process metrics included; metric names are in [`names`].
 #![forbid(unsafe_code)]
 
+mod env;
+mod http;
 mod json;
 mod metrics;
 mod propagation;
@@ -29,6 +32,8 @@ use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_otlp::WithTonicConfig;
+use opentelemetry_otlp::tonic_types::transport::ClientTlsConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use shelfsync_settings::{LogFormat, TelemetrySettings};
@@ -37,7 +42,11 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-pub use crate::metrics::{install_metrics, names, render_metrics, seconds_since_us};
+pub use crate::env::{Options, Propagator, Protocol};
+pub use crate::http::{UNMATCHED, instrument};
+pub use crate::metrics::{
+    install_metrics, names, render_metrics, render_metrics_after, seconds_since_us, set_build_info,
+};
 pub use crate::propagation::{
     TRACEPARENT, TRACESTATE, add_links, context_of, current_context, extract, extract_opt,
     from_parts, inject, inject_context, is_valid, parts, set_parent,
@@ -48,27 +57,6 @@ pub use tracing;
 
 /// How long dropping the guard waits for the last spans to be exported.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
-
-/// Where traces go; [`Options::from_env`] reads the standard variables.
-#[derive(Debug, Clone, Default)]
-pub struct Options {
-    /// OTLP/gRPC endpoint (`http://jaeger:4317`); `None`: no export.
-    pub otlp_endpoint: Option<String>,
-}
-
-impl Options {
-    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT`;
-    /// none when `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`.
-    pub fn from_env() -> Self {
-        let var = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_string());
-        let disabled = var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
-            || var("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"));
-        let endpoint = var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            .filter(|v| !v.is_empty())
-            .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT").filter(|v| !v.is_empty()));
-        Self { otlp_endpoint: if disabled { None } else { endpoint } }
-    }
-}
 
 /// Flushes and shuts the trace exporter down when dropped. Hold it until
 /// `main` returns.
@@ -125,13 +113,14 @@ pub fn init(service: &str, cfg: &TelemetrySettings) -> anyhow::Result<Guard> {
     init_with(service, cfg, Options::from_env())
 }
 
-/// As [`init`], with the trace destination given (tests).
+/// As [`init`], with the options given (tests).
 pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyhow::Result<Guard> {
     install_metrics();
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&cfg.log_level))
         .map_err(|e| anyhow::anyhow!("invalid telemetry.log_level {:?}: {e}", cfg.log_level))?;
-    let (provider, exporting, problem) = tracer_provider(service, &opts);
+    let service = service_name(service);
+    let (provider, exporting, problem) = tracer_provider(&service, &opts);
     let fmt_layer = match cfg.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_target(false)
@@ -148,7 +137,7 @@ pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyho
     // Spans are traced at INFO whatever the log level: a quiet log must not
     // break the trace of an import.
     let otel_layer = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer(service.to_string()))
+        .with_tracer(provider.tracer(service.clone()))
         .with_filter(LevelFilter::INFO);
     let installed = tracing_subscriber::registry().with(fmt_layer).with(otel_layer).try_init();
     if installed.is_err() {
@@ -157,78 +146,143 @@ pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyho
         drop(Guard { provider: exporting.then_some(provider) });
         return Ok(Guard { provider: None });
     }
-    opentelemetry::global::set_text_map_propagator(
-        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
-    );
-    if let Some(problem) = problem {
-        tracing::warn!(%problem, "traces are not exported");
+    opentelemetry::global::set_text_map_propagator(opts.text_map_propagator());
+    set_build_info(&service);
+    for problem in opts.problems.iter().chain(&problem) {
+        tracing::warn!(%problem, "telemetry configuration");
     }
-    tracing::debug!(service, exporting, "telemetry initialised");
+    tracing::debug!(
+        service,
+        exporting,
+        endpoint = opts.otlp_endpoint.as_deref().unwrap_or(""),
+        protocol = ?opts.protocol,
+        sampler = ?opts.sampler,
+        propagators = ?opts.propagators,
+        "telemetry initialised"
+    );
     Ok(Guard { provider: exporting.then_some(provider) })
 }
 
-/// The tracer provider: with a batch OTLP exporter when an endpoint is set
-/// and a runtime is there to drive it, else one that records span ids only.
+/// `OTEL_SERVICE_NAME` when set, else the binary's own name: the
+/// resource's `service.name` and the `service` label of the build info.
+fn service_name(default: &str) -> String {
+    std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_string())
+}
+
+/// The tracer provider with the configured sampler: with a batch OTLP
+/// exporter when an endpoint is set and a runtime is there to drive it,
+/// else one that records span ids only. The second value says whether it
+/// exports, the third why not when it was asked to.
 fn tracer_provider(service: &str, opts: &Options) -> (SdkTracerProvider, bool, Option<String>) {
-    let mut resource = Resource::builder();
-    if std::env::var("OTEL_SERVICE_NAME").map_or(true, |v| v.trim().is_empty()) {
-        resource = resource.with_service_name(service.to_string());
-    }
-    let builder = SdkTracerProvider::builder().with_resource(resource.build());
+    let resource = Resource::builder().with_service_name(service.to_string()).build();
+    let builder =
+        SdkTracerProvider::builder().with_resource(resource).with_sampler(opts.sampler.clone());
     let Some(endpoint) = &opts.otlp_endpoint else {
         return (builder.build(), false, None);
     };
     // The gRPC channel is driven by the Tokio runtime it is built in.
     if tokio::runtime::Handle::try_current().is_err() {
-        let problem = "telemetry::init was called outside a Tokio runtime".to_string();
+        let problem = "telemetry::init was called outside a Tokio runtime: traces are not \
+                       exported"
+            .to_string();
         return (builder.build(), false, Some(problem));
     }
-    match opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .with_endpoint(endpoint.clone())
-        .build()
-    {
+    match span_exporter(opts.protocol, endpoint) {
         Ok(exporter) => (builder.with_batch_exporter(exporter).build(), true, None),
-        Err(e) => (builder.build(), false, Some(format!("OTLP exporter for {endpoint}: {e}"))),
+        Err(e) => {
+            let problem = format!(
+                "OTLP exporter ({:?}) for {endpoint}: {e}: traces are not exported",
+                opts.protocol
+            );
+            (builder.build(), false, Some(problem))
+        }
     }
 }
 
-/// A PRODUCER span `send <subject>` (OpenTelemetry messaging conventions):
-/// `send_span!("ingest.send", subject, partition = 3)`. Publish inside it
-/// and the message carries its context.
+/// The OTLP exporter of `protocol` sending to `endpoint`. An `https`
+/// endpoint is verified against the system's trust store (rustls, ring).
+fn span_exporter(
+    protocol: Protocol,
+    endpoint: &str,
+) -> Result<opentelemetry_otlp::SpanExporter, opentelemetry_otlp::ExporterBuildError> {
+    let https = endpoint.starts_with("https://");
+    match protocol {
+        Protocol::Grpc => {
+            let mut builder =
+                opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(endpoint);
+            if https {
+                builder = builder.with_tls_config(ClientTlsConfig::new().with_enabled_roots());
+            }
+            builder.build()
+        }
+        Protocol::HttpProtobuf => {
+            // The HTTP client's TLS takes the process's crypto provider.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_endpoint(endpoint)
+                .build()
+        }
+    }
+}
+
+/// A PRODUCER span after the OpenTelemetry messaging conventions: named
+/// `send <template>` (the destination template, `shelfsync.cmd.{partition}`:
+/// few names, whatever the subject), with `messaging.system = nats`,
+/// `messaging.operation.name` / `.type = send`,
+/// `messaging.destination.template` and `messaging.destination.name` (the
+/// concrete subject): `send_span!("ingest.send", template, subject,
+/// shelfsync.command_count = 3)`. Publish inside it and the message carries
+/// its context.
 #[macro_export]
 macro_rules! send_span {
-    ($name:literal, $subject:expr $(, $($field:tt)*)?) => {{
-        let __subject: &str = ::std::convert::AsRef::<str>::as_ref(&$subject);
+    ($name:literal, $template:expr, $subject:expr $(, $($field:tt)*)?) => {{
+        // `let x = &expr` keeps a temporary (a computed template) alive.
+        let (__template, __subject) = (&$template, &$subject);
+        let __template: &str = ::std::convert::AsRef::<str>::as_ref(__template);
+        let __subject: &str = ::std::convert::AsRef::<str>::as_ref(__subject);
         $crate::tracing::info_span!(
             $name,
-            otel.name = %::std::format!("send {}", __subject),
+            otel.name = %::std::format!("send {}", __template),
             otel.kind = "producer",
             messaging.system = "nats",
+            messaging.operation.name = "send",
             messaging.operation.type = "send",
+            messaging.destination.template = %__template,
             messaging.destination.name = %__subject,
             $($($field)*)?
         )
     }};
 }
 
-/// A CONSUMER span `process <subject>`, with the durable consumer as
-/// `messaging.consumer.group.name` and an empty
-/// `messaging.batch.message_count` to record. Give it the message's context
-/// with [`set_parent`] before entering it.
+/// A CONSUMER span `process <template>` (as [`send_span!`]), with the
+/// durable consumer as `messaging.consumer.group.name`. Give it the
+/// message's context with [`set_parent`] before entering it. A span that
+/// handles several messages at once declares
+/// `messaging.batch.message_count = Empty` and records it; counts of
+/// records inside one message go in `shelfsync.*` attributes.
 #[macro_export]
 macro_rules! process_span {
-    ($name:literal, $subject:expr, $group:expr $(, $($field:tt)*)?) => {{
-        let __subject: &str = ::std::convert::AsRef::<str>::as_ref(&$subject);
+    ($name:literal, $template:expr, $subject:expr, $group:expr $(, $($field:tt)*)?) => {{
+        // `let x = &expr` keeps a temporary (a computed template) alive.
+        let (__template, __subject) = (&$template, &$subject);
+        let __template: &str = ::std::convert::AsRef::<str>::as_ref(__template);
+        let __subject: &str = ::std::convert::AsRef::<str>::as_ref(__subject);
         $crate::tracing::info_span!(
             $name,
-            otel.name = %::std::format!("process {}", __subject),
+            otel.name = %::std::format!("process {}", __template),
             otel.kind = "consumer",
             messaging.system = "nats",
+            messaging.operation.name = "process",
             messaging.operation.type = "process",
+            messaging.destination.template = %__template,
             messaging.destination.name = %__subject,
             messaging.consumer.group.name = %$group,
-            messaging.batch.message_count = $crate::tracing::field::Empty,
             $($($field)*)?
         )
     }};
@@ -267,7 +321,8 @@ mod tests {
         let cfg = TelemetrySettings { log_level: "warn".into(), log_format: LogFormat::Json };
         let guard = init_with("unit", &cfg, Options::default()).expect("init");
         assert!(!guard.exporting());
-        let span = send_span!("unit.send", "prefix.cmd.3", partition = 3u32);
+        let span =
+            send_span!("unit.send", "prefix.cmd.{partition}", "prefix.cmd.3", partition = 3u32);
         let _entered = span.enter();
         let mut headers = async_nats::HeaderMap::new();
         inject(&mut headers);
@@ -276,5 +331,44 @@ mod tests {
         assert_eq!(parts(&extract(&headers)).0, tp);
         guard.flush();
         drop(guard);
+    }
+
+    /// `http/protobuf` really goes out as `POST /v1/traces` with a protobuf
+    /// body (the span's name is a plain string in it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn http_protobuf_posts_spans_to_v1_traces() {
+        use opentelemetry::trace::{Tracer as _, TracerProvider as _};
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let receiver = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                let kind =
+                    headers.get("content-type").and_then(|v| v.to_str().ok()).map(String::from);
+                let _ = tx.send((kind, body));
+                async { "" }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let endpoint = format!("http://{}/v1/traces", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, receiver).await });
+        let exporter = span_exporter(Protocol::HttpProtobuf, &endpoint).expect("exporter");
+        let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).build();
+        provider.tracer("unit").in_span("unit.http-export", |_| {});
+        // The blocking client must not hold a runtime thread.
+        let flushed = tokio::task::spawn_blocking(move || provider.force_flush()).await;
+        assert!(matches!(flushed, Ok(Ok(()))), "{flushed:?}");
+        let (kind, body) = rx.recv().await.expect("a POST");
+        assert_eq!(kind.as_deref(), Some("application/x-protobuf"));
+        assert!(body.windows(16).any(|w| w == b"unit.http-export"), "{body:?}");
+    }
+
+    /// An `https` endpoint needs the TLS features: without them the
+    /// exporter refuses to build.
+    #[tokio::test]
+    async fn https_endpoints_build_for_both_protocols() {
+        for protocol in [Protocol::Grpc, Protocol::HttpProtobuf] {
+            let built = span_exporter(protocol, "https://collector.invalid:4317");
+            assert!(built.is_ok(), "{protocol:?}: {:?}", built.err());
+        }
     }
 }

@@ -1,15 +1,31 @@
 //! Prometheus metrics: one process-wide recorder (`metrics` crate, rendered
 //! by `metrics-exporter-prometheus`), installed on first use, so recording
 //! works the same in services and in tests; [`render_metrics`] is what a
-//! `/metrics` endpoint returns.
+//! `/metrics` endpoint returns, the process metrics (`metrics-process`:
+//! CPU seconds, resident memory, open file descriptors, start time)
+//! brought up to date first.
+//!
+//! Names follow the Prometheus conventions: base units (seconds, bytes) in
+//! the name, `_total` on counters, and label values that are the same after
+//! a restart (configured names, reasons, route templates; never a pid, a
+//! host name or a per-instance consumer name).
 
-use std::sync::OnceLock;
+use std::sync::{LazyLock, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Metric names shared by the services and the dashboards.
 pub mod names {
+    /// 1, labels `version` (the workspace version) and `service`.
+    pub const BUILD_INFO: &str = "shelfsync_build_info";
+    /// HTTP servers: requests answered, labels `method`, `status`,
+    /// `endpoint` (the route template). Recorded by `axum-prometheus`.
+    pub const HTTP_REQUESTS: &str = "shelfsync_http_requests_total";
+    /// HTTP servers: time to answer a request (histogram), same labels.
+    pub const HTTP_REQUEST_SECONDS: &str = "shelfsync_http_requests_duration_seconds";
+    /// HTTP servers: requests being answered, labels `method`, `endpoint`.
+    pub const HTTP_REQUESTS_PENDING: &str = "shelfsync_http_requests_pending";
     /// Storage: commands applied (unchanged ones included).
     pub const COMMANDS_APPLIED: &str = "shelfsync_commands_applied_total";
     /// Storage: applied commands that changed nothing observable.
@@ -31,8 +47,9 @@ pub mod names {
     pub const OUTBOX_DEPTH: &str = "shelfsync_outbox_depth";
     /// Storage: time one place's keyframe took (histogram).
     pub const KEYFRAME_SECONDS: &str = "shelfsync_keyframe_seconds";
-    /// Storage: time keyframes gave way to late live changes.
-    pub const KEYFRAME_YIELD_US: &str = "shelfsync_keyframe_yield_microseconds_total";
+    /// Storage: each time a keyframe gave way to late live changes, how
+    /// long (histogram; its `_sum` is the total time given way).
+    pub const KEYFRAME_YIELD_SECONDS: &str = "shelfsync_keyframe_yield_seconds";
     /// Ingest: valid feed items turned into commands.
     pub const INGEST_ITEMS: &str = "shelfsync_ingest_items_total";
     /// Ingest: raw feed bytes read.
@@ -47,6 +64,39 @@ pub mod names {
     pub const INGEST_PUSH_REFUSED: &str = "shelfsync_ingest_push_refused_total";
     /// Feed kit: places reloaded after a digest mismatch.
     pub const FEED_DRIFT_REPAIRS: &str = "shelfsync_feed_drift_repairs_total";
+    /// Feed kit: record versions delivered to the service's handler.
+    pub const FEED_DELIVERED: &str = "shelfsync_feed_delivered_total";
+    /// Feed kit: changes skipped as not newer than what was delivered.
+    pub const FEED_DUPLICATES: &str = "shelfsync_feed_duplicates_total";
+    /// Feed kit: change messages dropped as undecodable.
+    pub const FEED_POISON: &str = "shelfsync_feed_poison_total";
+    /// Feed kit: CHANGES stream sequence last handled.
+    pub const FEED_POSITION: &str = "shelfsync_feed_position";
+    /// Validator: hide / un-hide decisions, label `decision`.
+    pub const VALIDATOR_DECISIONS: &str = "shelfsync_validator_decisions_total";
+    /// Aggregator: change messages handled.
+    pub const AGGREGATOR_BATCHES: &str = "shelfsync_aggregator_batches_total";
+    /// Aggregator: master card changes published.
+    pub const AGGREGATOR_CARDS_PUBLISHED: &str = "shelfsync_aggregator_cards_published_total";
+    /// Aggregator: category flips published.
+    pub const AGGREGATOR_FLIPS_PUBLISHED: &str =
+        "shelfsync_aggregator_category_flips_published_total";
+    /// Aggregator: changes ignored as older than what it holds.
+    pub const AGGREGATOR_STALE_VERSIONS: &str = "shelfsync_aggregator_stale_versions_total";
+    /// Aggregator: records forgotten (absent, purged, place reset).
+    pub const AGGREGATOR_FORGOTTEN: &str = "shelfsync_aggregator_forgotten_records_total";
+    /// Aggregator: reloaded places not yet swept.
+    pub const AGGREGATOR_PENDING_RELOADS: &str = "shelfsync_aggregator_pending_reloads";
+    /// Recommender: 1 once bootstrapped.
+    pub const RECOMMENDER_READY: &str = "shelfsync_recommender_ready";
+    /// Recommender: offers in the index.
+    pub const RECOMMENDER_OFFERS: &str = "shelfsync_recommender_offers";
+    /// Recommender: places with an offer.
+    pub const RECOMMENDER_PLACES: &str = "shelfsync_recommender_places";
+    /// Recommender: top-N queries answered, label `transport` (`http`, `nats`).
+    pub const RECOMMENDER_QUERIES: &str = "shelfsync_recommender_queries_total";
+    /// Recommender: queries refused (bad input, not ready).
+    pub const RECOMMENDER_REJECTED_QUERIES: &str = "shelfsync_recommender_rejected_queries_total";
     /// Storage: outbox entries a retried relay found already stored (by
     /// message id, past any dedup window) and did not publish again.
     pub const OUTBOX_ALREADY_STORED: &str = "shelfsync_outbox_already_stored_total";
@@ -81,6 +131,10 @@ const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
+/// Reads this process's CPU time, memory, file descriptors and start time.
+static PROCESS: LazyLock<metrics_process::Collector> =
+    LazyLock::new(metrics_process::Collector::default);
+
 /// Installs the Prometheus recorder if it is not yet (idempotent, cheap).
 /// Metrics recorded before it is installed are lost, so services call it
 /// when they start; `init` does too.
@@ -112,14 +166,46 @@ fn handle() -> Option<&'static PrometheusHandle> {
         .as_ref()
 }
 
-/// Every metric of this process in the Prometheus text format.
+/// Every metric of this process in the Prometheus text format, the process
+/// metrics read just before.
 pub fn render_metrics() -> String {
-    handle().map(|h| h.render()).unwrap_or_default()
+    let Some(handle) = handle() else {
+        return String::new();
+    };
+    PROCESS.collect();
+    handle.render()
+}
+
+/// Serialises [`render_metrics_after`].
+static SCRAPE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// As [`render_metrics`], `update` having first set the values a service
+/// keeps elsewhere (atomics it publishes as counters and gauges). One
+/// scrape at a time: the recorder is process-wide, and a test process may
+/// run several instances of a service.
+pub fn render_metrics_after(update: impl FnOnce()) -> String {
+    let _one_at_a_time = SCRAPE.lock().unwrap_or_else(|e| e.into_inner());
+    update();
+    render_metrics()
+}
+
+/// Sets `shelfsync_build_info{version, service}` to 1: what runs where,
+/// to join on in queries and dashboards.
+pub fn set_build_info(service: &str) {
+    install_metrics();
+    metrics::gauge!(
+        names::BUILD_INFO,
+        "version" => env!("CARGO_PKG_VERSION"),
+        "service" => service.to_string()
+    )
+    .set(1.0);
 }
 
 fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     use names::*;
+    PROCESS.describe();
+    describe_gauge!(BUILD_INFO, "1, labelled with the version and the service");
     describe_counter!(COMMANDS_APPLIED, "Commands applied by storage (unchanged ones included)");
     describe_counter!(COMMANDS_UNCHANGED, "Applied commands that changed nothing observable");
     describe_counter!(CHANGES_EMITTED, "Record changes emitted by storage");
@@ -134,20 +220,40 @@ fn describe() {
     describe_gauge!(CONSUMER_LAG, "Messages not yet delivered to a consumer");
     describe_gauge!(OUTBOX_DEPTH, "Storage outbox entries waiting to be published");
     describe_histogram!(KEYFRAME_SECONDS, Unit::Seconds, "Time of one place's keyframe");
-    describe_counter!(
-        KEYFRAME_YIELD_US,
-        Unit::Microseconds,
-        "Time keyframes gave way to late live changes"
+    describe_histogram!(
+        KEYFRAME_YIELD_SECONDS,
+        Unit::Seconds,
+        "Each time a keyframe gave way to late live changes, how long"
     );
     describe_counter!(INGEST_ITEMS, "Valid feed items turned into commands");
     describe_counter!(INGEST_BYTES, Unit::Bytes, "Raw feed bytes read by ingest");
-    describe_gauge!(INGEST_LAST_SUCCESS, Unit::Seconds, "When a partner's last import completed (Unix time)");
+    describe_gauge!(
+        INGEST_LAST_SUCCESS,
+        Unit::Seconds,
+        "When a partner's last import completed (Unix time)"
+    );
     describe_gauge!(INGEST_POLL_INTERVAL, Unit::Seconds, "A polled partner's poll interval");
     describe_counter!(
         INGEST_PUSH_REFUSED,
         "Push requests refused by ingest (credentials, size), by partner and reason"
     );
     describe_counter!(FEED_DRIFT_REPAIRS, "Places reloaded after a digest mismatch");
+    describe_counter!(FEED_DELIVERED, "Record versions delivered to the handler");
+    describe_counter!(FEED_DUPLICATES, "Changes skipped as not newer than what was delivered");
+    describe_counter!(FEED_POISON, "Change messages dropped as undecodable");
+    describe_gauge!(FEED_POSITION, "CHANGES stream sequence last handled");
+    describe_counter!(VALIDATOR_DECISIONS, "Validator decisions, by decision (hide, unhide)");
+    describe_counter!(AGGREGATOR_BATCHES, "Change messages handled by the aggregator");
+    describe_counter!(AGGREGATOR_CARDS_PUBLISHED, "Master card changes published");
+    describe_counter!(AGGREGATOR_FLIPS_PUBLISHED, "Category flips published");
+    describe_counter!(AGGREGATOR_STALE_VERSIONS, "Changes older than what the aggregator holds");
+    describe_counter!(AGGREGATOR_FORGOTTEN, "Records the aggregator forgot");
+    describe_gauge!(AGGREGATOR_PENDING_RELOADS, "Reloaded places not yet swept");
+    describe_gauge!(RECOMMENDER_READY, "1 once the recommender is bootstrapped");
+    describe_gauge!(RECOMMENDER_OFFERS, "Offers in the recommender's index");
+    describe_gauge!(RECOMMENDER_PLACES, "Places with an offer in the recommender's index");
+    describe_counter!(RECOMMENDER_QUERIES, "Top-N queries answered, by transport");
+    describe_counter!(RECOMMENDER_REJECTED_QUERIES, "Queries refused (bad input, not ready)");
     describe_counter!(
         OUTBOX_ALREADY_STORED,
         "Outbox entries a retried relay found already on the stream and did not publish again"
@@ -157,7 +263,10 @@ fn describe() {
         OUTBOX_UNPUBLISHABLE,
         "Outbox entries that could not be published and were kept aside, by reason"
     );
-    describe_gauge!(PARTITION_REFUSED, "1 while a partition is refused: its command stream was replaced");
+    describe_gauge!(
+        PARTITION_REFUSED,
+        "1 while a partition is refused: its command stream was replaced"
+    );
     describe_counter!(SWEEPS_HELD, "Sweeps held instead of applied, by reason");
     describe_counter!(SWEEPS_APPLIED, "Sweeps applied");
     describe_counter!(ABSENT_PURGED, "Absent records purged after the absent TTL");
@@ -189,8 +298,22 @@ mod tests {
         install_metrics();
         metrics::counter!(names::REJECTS, "reason" => "unit_test").increment(2);
         metrics::histogram!(names::BATCH_SECONDS).record(0.003);
+        set_build_info("unit-test");
         let text = render_metrics();
         assert!(text.contains("shelfsync_rejects_total{reason=\"unit_test\"} 2"), "{text}");
+        let build = format!(
+            "shelfsync_build_info{{version=\"{}\",service=\"unit-test\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text.contains(&build), "{text}");
+        for process in [
+            "# TYPE process_cpu_seconds_total counter",
+            "process_resident_memory_bytes ",
+            "process_open_fds ",
+            "process_start_time_seconds ",
+        ] {
+            assert!(text.contains(process), "{process} missing from\n{text}");
+        }
         assert!(text.contains("shelfsync_batch_seconds_bucket{le=\"0.005\"} 1"), "{text}");
         assert_eq!(seconds_since_us(0), None);
         assert!(seconds_since_us(1).is_some_and(|s| s > 1e6));

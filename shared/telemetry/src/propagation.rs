@@ -1,16 +1,20 @@
-//! W3C trace context (`traceparent`, `tracestate`) in NATS headers.
+//! Trace context in NATS headers, through the process's propagator
+//! (`OTEL_PROPAGATORS`, set by `init`: W3C `traceparent` / `tracestate` and
+//! `baggage` unless told otherwise), the same one the HTTP servers extract
+//! with.
 //!
 //! [`inject`] writes the context of the current span into a header map,
 //! [`extract`] reads one back; [`parts`] / [`from_parts`] do the same for
-//! contexts kept elsewhere (storage's outbox entries). Without an
-//! OpenTelemetry layer (tests that never call `init`) the current context is
-//! empty and nothing is injected.
+//! contexts kept elsewhere (storage's outbox entries keep `traceparent` and
+//! `tracestate` only). Without `init` (tests that never call it) there is
+//! no OpenTelemetry layer and no propagator: nothing is injected or
+//! extracted.
 
 use async_nats::HeaderMap;
 use opentelemetry::Context;
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::global;
+use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TraceContextExt;
-use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Header names of the W3C trace context.
@@ -97,13 +101,13 @@ pub fn inject(headers: &mut HeaderMap) {
 /// Writes `cx` into `headers`; nothing when `cx` has no valid span.
 pub fn inject_context(cx: &Context, headers: &mut HeaderMap) {
     if is_valid(cx) {
-        TraceContextPropagator::new().inject_context(cx, &mut HeaderInjector(headers));
+        global::get_text_map_propagator(|p| p.inject_context(cx, &mut HeaderInjector(headers)));
     }
 }
 
 /// The context carried by `headers` (empty when there is none).
 pub fn extract(headers: &HeaderMap) -> Context {
-    TraceContextPropagator::new().extract(&HeaderExtractor(headers))
+    global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
 }
 
 /// As [`extract`], for a message that may have no headers at all.
@@ -115,14 +119,14 @@ pub fn extract_opt(headers: Option<&HeaderMap>) -> Context {
 pub fn parts(cx: &Context) -> (String, String) {
     let mut out = PartsInjector { traceparent: String::new(), tracestate: String::new() };
     if is_valid(cx) {
-        TraceContextPropagator::new().inject_context(cx, &mut out);
+        global::get_text_map_propagator(|p| p.inject_context(cx, &mut out));
     }
     (out.traceparent, out.tracestate)
 }
 
 /// The context written as `traceparent` / `tracestate` strings.
 pub fn from_parts(traceparent: &str, tracestate: &str) -> Context {
-    TraceContextPropagator::new().extract(&PartsExtractor { traceparent, tracestate })
+    global::get_text_map_propagator(|p| p.extract(&PartsExtractor { traceparent, tracestate }))
 }
 
 /// Makes `cx` the parent of `span`, when `cx` is valid. Call it before the
@@ -155,6 +159,7 @@ mod tests {
 
     #[test]
     fn round_trips_through_headers_and_parts() {
+        global::set_text_map_propagator(crate::Options::default().text_map_propagator());
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let cx = from_parts(tp, "congo=t61rcWkgMzE");
         assert!(is_valid(&cx));
