@@ -211,13 +211,14 @@ fn unavailable(e: &dyn std::fmt::Display) -> Response {
 }
 
 fn router(state: Http) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/cards/{region}/{product}", get(card))
         .route("/v1/places/{brand}/{place}/categories", get(categories))
-        .with_state(state)
+        .with_state(state);
+    shelfsync_telemetry::instrument(router)
 }
 
 /// Ready once bootstrapped and every reloaded place is swept.
@@ -258,23 +259,19 @@ async fn categories(State(h): State<Http>, Path((brand, place)): Path<(i64, i64)
     }
 }
 
-/// Prometheus text exposition of the counters.
+/// The process's Prometheus metrics, this instance's counters (the
+/// aggregator's and its feed's) brought up to date first.
 async fn metrics(State(h): State<Http>) -> String {
+    use shelfsync_telemetry::names::*;
     let s = &h.status;
-    let f = &h.feed;
-    let rows = [
-        ("aggregator_batches_total", Status::get(&s.batches)),
-        ("aggregator_cards_published_total", Status::get(&s.cards_published)),
-        ("aggregator_category_flips_published_total", Status::get(&s.flips_published)),
-        ("aggregator_stale_versions_total", Status::get(&s.stale_versions)),
-        ("aggregator_forgotten_records_total", Status::get(&s.forgotten)),
-        ("aggregator_pending_reloads", s.pending_reloads.load(Ordering::Relaxed) as u64),
-        ("feed_delivered_total", FeedStatus::get(&f.delivered)),
-        ("feed_duplicates_total", FeedStatus::get(&f.duplicates)),
-        ("feed_poison_total", FeedStatus::get(&f.poison)),
-        ("feed_position", FeedStatus::get(&f.position)),
-    ];
-    let own: String = rows.iter().map(|(name, v)| format!("shelfsync_{name} {v}\n")).collect();
-    // Plus the shared registry: the feed kit's lag and freshness histograms.
-    own + &shelfsync_telemetry::render_metrics()
+    shelfsync_telemetry::render_metrics_after(|| {
+        metrics::counter!(AGGREGATOR_BATCHES).absolute(Status::get(&s.batches));
+        metrics::counter!(AGGREGATOR_CARDS_PUBLISHED).absolute(Status::get(&s.cards_published));
+        metrics::counter!(AGGREGATOR_FLIPS_PUBLISHED).absolute(Status::get(&s.flips_published));
+        metrics::counter!(AGGREGATOR_STALE_VERSIONS).absolute(Status::get(&s.stale_versions));
+        metrics::counter!(AGGREGATOR_FORGOTTEN).absolute(Status::get(&s.forgotten));
+        metrics::gauge!(AGGREGATOR_PENDING_RELOADS)
+            .set(s.pending_reloads.load(Ordering::Relaxed) as f64);
+        h.feed.record_metrics();
+    })
 }

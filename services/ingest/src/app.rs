@@ -97,6 +97,9 @@ impl App {
             .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
             .route("/v1/partners/{name}/feed", post(push))
             .with_state(self.state.clone());
+        // A push's import runs inside the request's span: its trace goes on
+        // from the client's `traceparent`.
+        let router = shelfsync_telemetry::instrument(router);
         let mut wait = stopped.clone();
         // The peer's address is what a refusal is logged once per.
         let router = router.into_make_service_with_connect_info::<SocketAddr>();

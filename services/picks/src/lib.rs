@@ -100,9 +100,9 @@ struct Http {
     status: Arc<FeedStatus>,
 }
 
-/// Builds the HTTP API over the picks.
+/// Builds the HTTP API over the picks, traced and measured.
 fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
         .route(
@@ -121,7 +121,8 @@ fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
                 Json(h.picks.of_place(b, p))
             }),
         )
-        .with_state(Http { picks, status })
+        .with_state(Http { picks, status });
+    shelfsync_telemetry::instrument(router)
 }
 
 /// Runs the feed and the HTTP API on `listener` until `shutdown` resolves.
@@ -134,7 +135,8 @@ pub async fn run(
     let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
     // One consumer per instance: each rebuilds its picks from a keyframe.
     let name = format!("picks-{}", std::process::id());
-    let mut feed = ChangeFeed::new(client, &settings, FeedConfig::new(name));
+    let cfg = FeedConfig { metric_label: "picks".into(), ..FeedConfig::new(name) };
+    let mut feed = ChangeFeed::new(client, &settings, cfg);
     let app = router(picks.clone(), feed.status());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let http = tokio::spawn(async move {

@@ -42,7 +42,7 @@ fn feed_name() -> String {
 impl App {
     /// Connects to NATS and binds the HTTP listener; starts nothing yet.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
-        crate::http::describe_metrics();
+        shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-recommender", true)
             .await
             .with_context(|| {
@@ -53,7 +53,8 @@ impl App {
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         let feed_name = feed_name();
-        let feed = ChangeFeed::new(client.clone(), &settings, FeedConfig::new(feed_name.clone()));
+        let cfg = FeedConfig { metric_label: "recommender".into(), ..FeedConfig::new(&feed_name) };
+        let feed = ChangeFeed::new(client.clone(), &settings, cfg);
         let api =
             Api::new(SharedIndex::default(), feed.status(), Limits::from(&settings.recommender));
         Ok(App {

@@ -9,9 +9,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use metrics::{counter, describe_counter, describe_gauge, gauge};
+use metrics::{counter, gauge};
 use serde_json::json;
-use shelfsync_feed::FeedStatus;
 
 use crate::query::{Api, QueryError, TopQuery};
 
@@ -26,12 +25,13 @@ impl IntoResponse for QueryError {
 }
 
 pub fn router(api: Api) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/top/{brand}/{place}", get(top))
-        .with_state(api)
+        .with_state(api);
+    shelfsync_telemetry::instrument(router)
 }
 
 async fn readyz(State(api): State<Api>) -> StatusCode {
@@ -53,53 +53,25 @@ async fn top(
     }
 }
 
-/// Serialises the "set this instance's values, render" of `/metrics`: the
-/// recorder is process-wide, and tests run several recommenders at once.
-static SCRAPE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The process's Prometheus metrics (the feed kit's lag, freshness and drift
 /// repairs among them), with this instance's gauges and counters brought up
 /// to date first.
 async fn metrics(State(api): State<Api>) -> String {
+    use shelfsync_telemetry::names::*;
     let (offers, places) = {
         let index = api.index().read();
         (index.len(), index.places())
     };
-    let feed = api.feed();
     let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let _one_at_a_time = SCRAPE.lock().unwrap_or_else(|e| e.into_inner());
-    gauge!("recommender_ready").set(f64::from(u8::from(api.ready())));
-    gauge!("recommender_offers").set(offers as f64);
-    gauge!("recommender_places").set(places as f64);
-    gauge!("recommender_feed_position").set(FeedStatus::get(&feed.position) as f64);
-    // The query counters are bumped by both transports on the shared stats;
-    // they are published as counters at their current totals.
-    counter!("recommender_http_queries_total").absolute(c(&api.stats.http));
-    counter!("recommender_nats_queries_total").absolute(c(&api.stats.nats));
-    counter!("recommender_rejected_queries_total").absolute(c(&api.stats.rejected));
-    counter!("recommender_feed_delivered_total").absolute(FeedStatus::get(&feed.delivered));
-    counter!("recommender_feed_drift_repairs_total").absolute(FeedStatus::get(&feed.drift_repairs));
-    counter!("recommender_feed_poison_total").absolute(FeedStatus::get(&feed.poison));
-    shelfsync_telemetry::render_metrics()
-}
-
-/// Help texts of the recommender's own metrics.
-pub(crate) fn describe_metrics() {
-    shelfsync_telemetry::install_metrics();
-    describe_gauge!("recommender_ready", "1 once bootstrapped");
-    describe_gauge!("recommender_offers", "Offers in the index");
-    describe_gauge!("recommender_places", "Places with an offer");
-    describe_gauge!("recommender_feed_position", "CHANGES stream sequence last handled");
-    describe_counter!("recommender_http_queries_total", "HTTP top-N queries");
-    describe_counter!("recommender_nats_queries_total", "NATS top-N queries");
-    describe_counter!(
-        "recommender_rejected_queries_total",
-        "Queries refused (bad input, not ready)"
-    );
-    describe_counter!("recommender_feed_delivered_total", "Record versions applied");
-    describe_counter!(
-        "recommender_feed_drift_repairs_total",
-        "Places reloaded after a digest mismatch"
-    );
-    describe_counter!("recommender_feed_poison_total", "Change messages dropped as undecodable");
+    shelfsync_telemetry::render_metrics_after(|| {
+        gauge!(RECOMMENDER_READY).set(f64::from(u8::from(api.ready())));
+        gauge!(RECOMMENDER_OFFERS).set(offers as f64);
+        gauge!(RECOMMENDER_PLACES).set(places as f64);
+        // The query counters are bumped by both transports on the shared
+        // stats; they are published as counters at their current totals.
+        counter!(RECOMMENDER_QUERIES, "transport" => "http").absolute(c(&api.stats.http));
+        counter!(RECOMMENDER_QUERIES, "transport" => "nats").absolute(c(&api.stats.nats));
+        counter!(RECOMMENDER_REJECTED_QUERIES).absolute(c(&api.stats.rejected));
+        api.feed().record_metrics();
+    })
 }

@@ -326,8 +326,9 @@ impl ReadApi {
         }
     }
 
+    /// The read API, probes and metrics, traced and measured.
     pub fn router(self) -> Router {
-        Router::new()
+        let router = Router::new()
             .route("/healthz", get(|| async { "ok" }))
             .route("/readyz", get(readyz))
             .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
@@ -338,7 +339,8 @@ impl ReadApi {
             .route("/v1/records/{brand}/{place}/{product}", get(http_get))
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))
-            .with_state(self)
+            .with_state(self);
+        shelfsync_telemetry::instrument(router)
     }
 
     /// Serves HTTP on `listener` until `stop` flips.

@@ -136,7 +136,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 /// `/healthz` (the process runs) and `/readyz` (the feed's consumer is
 /// bound: changes are being judged).
 fn router(status: Arc<FeedStatus>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
         .route(
@@ -149,5 +149,6 @@ fn router(status: Arc<FeedStatus>) -> Router {
                 }
             }),
         )
-        .with_state(status)
+        .with_state(status);
+    shelfsync_telemetry::instrument(router)
 }
