@@ -465,7 +465,7 @@ async fn recommender_answers_match_a_brute_force_ranking_of_storage() {
     assert!(reply.items.is_empty());
     let (code, metrics) = http_get(addr, "/metrics").await.expect("metrics");
     assert_eq!(code, 200);
-    assert!(metrics.contains(&format!("recommender_offers {offered}")), "{metrics}");
+    assert!(metrics.contains(&format!("shelfsync_recommender_offers {offered}")), "{metrics}");
 
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(20), service)
