@@ -196,6 +196,9 @@ impl App {
                 committed_through: Default::default(),
                 ahead_paused_until: Default::default(),
                 stream_identity: Default::default(),
+                known: std::sync::Mutex::new(crate::known::Known::new(
+                    self.settings.storage.known_records,
+                )),
             };
             let worker = Arc::new(worker);
             let rx = stop_rx.clone();

@@ -18,6 +18,7 @@ mod app;
 pub mod apply;
 pub mod failpoint;
 pub mod keyframe;
+mod known;
 mod outbox;
 pub mod read;
 mod relay;

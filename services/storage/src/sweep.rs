@@ -317,7 +317,7 @@ impl Worker {
         } else {
             Position { applied: fence.at.applied, step: step.encode() }
         };
-        match self.store.commit(self.partition.0, fence, &to, writes).await? {
+        match self.commit(fence, &to, writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
         }

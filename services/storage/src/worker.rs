@@ -55,6 +55,7 @@ use tracing::{Instrument, debug, error, info, warn};
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
 use crate::keyframe::{Frozen, KeyframeIo, KeyframeJob, KeyframeLimits};
+use crate::known::Known;
 use crate::outbox::{Outbox, TraceParts};
 use crate::relay::Relay;
 use crate::stats::{Readiness, Stats};
@@ -105,6 +106,8 @@ pub struct Worker {
     pub ahead_paused_until: std::sync::Mutex<Option<Instant>>,
     /// Identity of the command stream this worker is bound to (`Fence.stream`).
     pub stream_identity: std::sync::Mutex<String>,
+    /// What this owner can vouch for without Redis (`crate::known`).
+    pub known: std::sync::Mutex<Known>,
 }
 
 /// One place waiting for its keyframe in this worker.
@@ -233,6 +236,8 @@ impl Worker {
                     // Sequences may count in a new stream now: nothing is
                     // taken as committed without asking Redis.
                     self.committed_through.store(0, Ordering::Relaxed);
+                    // Another owner may have written meanwhile.
+                    self.known().clear();
                     return Some((stream, messages));
                 }
                 Ok(Err((found, recorded))) => {
@@ -765,21 +770,16 @@ impl Worker {
         trace: &TraceParts,
         relay: &mut Relay,
     ) -> Result<Handled, HandleError> {
-        let merged;
-        let to_load = match parts {
-            [(_, only)] => only,
-            _ => {
-                merged = CommandBatch {
-                    commands: parts.iter().flat_map(|(_, b)| b.commands.iter().cloned()).collect(),
-                    ..Default::default()
-                };
-                &merged
-            }
-        };
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
-        let mut loaded = self.store.load(self.partition.0, to_load).await?;
-        let todo: Vec<&(u64, CommandBatch)> =
-            parts.iter().filter(|(seq, _)| *seq > loaded.at.applied).collect();
+        // Commands this owner can vouch for are neither loaded nor applied.
+        let splits = self.known().split(&parts.iter().map(|(_, b)| b).collect::<Vec<_>>());
+        let to_load = CommandBatch {
+            commands: splits.iter().flat_map(|s| s.rest.commands.iter().cloned()).collect(),
+            ..Default::default()
+        };
+        let mut loaded = self.store.load(self.partition.0, &to_load).await?;
+        let todo: Vec<(&(u64, CommandBatch), &crate::known::Split)> =
+            parts.iter().zip(&splits).filter(|((seq, _), _)| *seq > loaded.at.applied).collect();
         if todo.is_empty() {
             debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
             return Ok(Handled::Skipped);
@@ -792,32 +792,69 @@ impl Worker {
         // order they were applied, under the last one's sequence.
         let (mut changes, mut rejections) = (Vec::new(), Vec::new());
         let mut outcomes = Vec::with_capacity(todo.len());
-        for (_, batch) in &todo {
-            let mut outcome = apply_batch(batch, &mut loaded.slots, &HashMap::new(), &limits);
+        let mut skipped = Vec::new();
+        for ((_, batch), split) in &todo {
+            let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
+            let n = split.skipped.len() as u64;
+            (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
+            skipped.extend(split.skipped.iter().cloned());
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
             rejections.extend(outcome.rejections.iter().cloned());
             outcomes.push((batch, n_changes, outcome));
         }
+        let generations = self.known().generation_slots(&skipped);
+        loaded.slots.extend(generations);
+        let rejected: Vec<crate::apply::Key> = rejections
+            .iter()
+            .filter_map(|r| r.key.as_ref())
+            .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
+            .collect();
         let (outbox, _) =
             self.outbox(trace, relay).entries(last, &last.to_string(), 0, changes, rejections);
         failpoint::hit("before_commit");
         let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
         let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
-        match self.store.commit(self.partition.0, &fence, &Position::at(last), &writes).await? {
+        match self.commit(&fence, &Position::at(last), &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
         }
+        let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
+        self.known().committed(&loaded.slots, applied, &rejected);
         self.wait_replicas().await?;
         self.note_changed(&loaded.slots);
-        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().copied()));
+        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(p, _)| *p)));
         let s = &self.stats;
         s.add(&s.batches, todo.len() as u64);
-        s.add(&s.batches_ahead, todo.iter().filter(|(seq, _)| *seq != parts[0].0).count() as u64);
+        s.add(&s.batches_ahead, todo.iter().filter(|((seq, _), _)| *seq != parts[0].0).count() as u64);
         for (batch, n_changes, o) in outcomes {
             self.count_applied(batch, n_changes, &o);
         }
         Ok(Handled::Applied)
+    }
+
+    /// What this owner can vouch for without Redis.
+    pub(crate) fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Commits `writes` and keeps [`Known`] true: the records written are
+    /// forgotten, and a commit that failed or was fenced (it may have been
+    /// written all the same, or another owner wrote) forgets everything.
+    pub(crate) async fn commit(
+        &self,
+        fence: &Fence,
+        to: &Position,
+        writes: &Writes<'_>,
+    ) -> Result<Commit, StoreError> {
+        let result = self.store.commit(self.partition.0, fence, to, writes).await;
+        let mut known = self.known();
+        match (&result, writes.slots) {
+            (Ok(Commit::Done), Some(slots)) => known.forget_written(slots),
+            (Ok(Commit::Done), None) => {}
+            _ => known.clear(),
+        }
+        result
     }
 
     /// Counts what one applied command message did (`n_changes`: its
@@ -892,7 +929,7 @@ impl Worker {
             self.outbox(trace, relay).entries(seq, &seq.to_string(), 0, Vec::new(), vec![rejection]);
         let fence = Fence { at, stream: self.stream_identity() };
         let writes = Writes { slots: None, outbox: &outbox, sweeps: &[] };
-        match self.store.commit(self.partition.0, &fence, &Position::at(seq), &writes).await? {
+        match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
                 self.stats.add(&self.stats.dead_lettered, 1);
                 metrics::counter!(names::REJECTS, "reason" => why.to_string()).increment(1);
@@ -1006,7 +1043,7 @@ impl Worker {
             .outbox(&TraceParts::default(), relay)
             .entries(fence.at.applied, &id, 0, outcome.changes.clone(), Vec::new());
         let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
-        match self.store.commit(self.partition.0, fence, &fence.at, &writes).await? {
+        match self.commit(fence, &fence.at, &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
         }

@@ -348,6 +348,11 @@ pub struct StorageSettings {
     /// one delivered, to commit them together (0: one message at a time).
     /// More means fewer Redis and NATS round trips per message under load.
     pub read_ahead: usize,
+    /// Records per partition whose owner remembers, in memory, the PATCHes
+    /// that change nothing on them (a few hashes, about 70 bytes a record),
+    /// so that an identical re-import of them reads nothing from Redis
+    /// (0: off). Past it, records not yet remembered go through Redis.
+    pub known_records: usize,
     /// HTTP listen address of storage (read API, health).
     pub http_listen: String,
     /// Largest number of keys in one batch read, and of records in one page.
@@ -372,6 +377,7 @@ impl Default for StorageSettings {
             keyframe_rate: 50_000,
             keyframe_yield_after: Duration::ZERO,
             read_ahead: 32,
+            known_records: 1_000_000,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
         }

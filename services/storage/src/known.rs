@@ -1,0 +1,341 @@
+//! What a partition's owner knows, in memory, of the records it applied:
+//! enough to tell without Redis that a PATCH would change nothing.
+//!
+//! The owner is the only writer of its partition's keys (every commit is
+//! fenced), so what it saw stays true until it writes the record again. For
+//! each record it keeps the hashes of a few PATCHes that were applied to the
+//! record **as it is now** and changed nothing (an identical re-import sends
+//! the same PATCH again). A command with such a hash is not loaded, merged
+//! nor compared: it is counted as unchanged, and a full import's generation
+//! is written without reading the record.
+//!
+//! Rules that keep it exact:
+//! - a hash is learned only from an observation: the command was applied to
+//!   the stored record and changed nothing (never from a guess that a patch
+//!   is idempotent);
+//! - any commit that writes a record forgets it; a commit that fails or is
+//!   fenced, and every (re)bind of the partition, forgets everything;
+//! - only plain PATCHes are vouched for (no SAVE, DELETE or compare-and-swap),
+//!   and a full import's PATCH only while the record is present (not
+//!   absent, not deleted): bringing an absent record back is a change;
+//! - a key is skipped only if every command on it in the commit is vouched
+//!   for; otherwise all of them go through Redis in order.
+
+use std::collections::HashMap;
+
+use shelfsync_proto::{Command, CommandBatch, CommandKind};
+use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+
+use crate::apply::{Key, Slot};
+
+/// Hashes of no-op PATCHes kept per record (say, a price feed and a stock
+/// feed of the same record).
+const NOOPS: usize = 3;
+
+/// One record as its owner last saw it.
+#[derive(Debug, Clone, Default)]
+struct Entry {
+    /// Stored, not absent, not deleted.
+    present: bool,
+    /// Its stored generation.
+    generation: i64,
+    /// PATCHes (by [`command_hash`]) that change nothing on it; 0 = free.
+    noops: [u64; NOOPS],
+}
+
+impl Entry {
+    fn vouches(&self, hash: u64, generation: i64) -> bool {
+        hash != 0 && self.noops.contains(&hash) && (generation == 0 || self.present)
+    }
+
+    fn learn(&mut self, hash: u64) {
+        if hash == 0 || self.noops.contains(&hash) {
+            return;
+        }
+        self.noops.rotate_right(1);
+        self.noops[0] = hash;
+    }
+}
+
+/// A command that [`Known`] vouched for: it changes nothing, and a full
+/// import's generation is to be written.
+#[derive(Debug, Clone)]
+pub struct Skipped {
+    pub key: Key,
+    /// The generation to write (0: none).
+    pub generation: i64,
+}
+
+/// The commands of one message split by [`Known::split`].
+#[derive(Debug, Default)]
+pub struct Split {
+    /// The commands that go through Redis, in order.
+    pub rest: CommandBatch,
+    pub skipped: Vec<Skipped>,
+}
+
+/// The records a partition's owner can vouch for. Bounded: once
+/// `capacity` records are known, new ones are not added.
+#[derive(Debug)]
+pub struct Known {
+    entries: HashMap<u128, Entry>,
+    capacity: usize,
+}
+
+fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
+    let mut buf = Vec::with_capacity(16 + product_id.len());
+    buf.extend_from_slice(&brand_id.to_le_bytes());
+    buf.extend_from_slice(&place_id.to_le_bytes());
+    buf.extend_from_slice(product_id.as_bytes());
+    xxh3_128(&buf)
+}
+
+fn command_key(cmd: &Command) -> Option<u128> {
+    let k = cmd.key.as_ref()?;
+    Some(key_hash(k.brand_id, k.place_id, &k.product_id))
+}
+
+/// The content of a plain PATCH (what it sets and clears), or 0 for a
+/// command that is never vouched for.
+pub fn command_hash(cmd: &Command) -> u64 {
+    if cmd.kind != CommandKind::Patch as i32 || cmd.expected_updated_at.is_some() {
+        return 0;
+    }
+    let mut h = Xxh3::new();
+    for part in [&cmd.data[..], &cmd.state[..]] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    for fields in [&cmd.clear_data_fields, &cmd.clear_state_fields] {
+        h.update(&(fields.len() as u64).to_le_bytes());
+        for f in fields {
+            h.update(&f.to_le_bytes());
+        }
+    }
+    h.digest().max(1)
+}
+
+impl Known {
+    pub fn new(capacity: usize) -> Self {
+        Self { entries: HashMap::new(), capacity }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Forgets everything (a failed or fenced commit, a new binding).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    /// Splits the commands of `batches` (applied in this order, as one
+    /// commit) into those that must go through Redis and those vouched for.
+    pub fn split(&self, batches: &[&CommandBatch]) -> Vec<Split> {
+        if self.entries.is_empty() {
+            return batches.iter().map(|b| Split { rest: (*b).clone(), skipped: Vec::new() }).collect();
+        }
+        // A key is skipped only when every command on it is vouched for.
+        let mut skippable: HashMap<u128, bool> = HashMap::new();
+        for cmd in batches.iter().flat_map(|b| &b.commands) {
+            let Some(k) = command_key(cmd) else { continue };
+            let ok = self.entries.get(&k).is_some_and(|e| e.vouches(command_hash(cmd), cmd.generation));
+            skippable.entry(k).and_modify(|s| *s &= ok).or_insert(ok);
+        }
+        batches
+            .iter()
+            .map(|b| {
+                let mut split = Split {
+                    rest: CommandBatch { commands: Vec::new(), ..(*b).clone() },
+                    skipped: Vec::new(),
+                };
+                for cmd in &b.commands {
+                    match (command_key(cmd), cmd.key.as_ref()) {
+                        (Some(k), Some(key)) if skippable.get(&k) == Some(&true) => {
+                            split.skipped.push(Skipped {
+                                key: (key.brand_id, key.place_id, key.product_id.clone()),
+                                generation: cmd.generation,
+                            });
+                        }
+                        _ => split.rest.commands.push(cmd.clone()),
+                    }
+                }
+                split
+            })
+            .collect()
+    }
+
+    /// The generation writes of skipped commands, as slots for the commit
+    /// (only where the stored generation moves).
+    pub fn generation_slots(&self, skipped: &[Skipped]) -> HashMap<Key, Slot> {
+        let mut last: HashMap<&Key, i64> = HashMap::new();
+        for s in skipped.iter().filter(|s| s.generation > 0) {
+            last.insert(&s.key, s.generation);
+        }
+        last.into_iter()
+            .filter(|((b, p, id), generation)| {
+                self.entries.get(&key_hash(*b, *p, id)).map_or(0, |e| e.generation) != *generation
+            })
+            // The record is present (vouched for): its generation entry
+            // carries no absent or deleted flag.
+            .map(|(key, generation)| {
+                (key.clone(), Slot { generation, gen_dirty: true, ..Default::default() })
+            })
+            .collect()
+    }
+
+    /// After a successful commit: forgets every record it wrote, notes the
+    /// generations it wrote, and learns the commands of `applied` that were
+    /// applied to a record and left it as it was (`rejected`: keys with a
+    /// rejected command, learned nothing from).
+    pub fn committed<'a>(
+        &mut self,
+        slots: &HashMap<Key, Slot>,
+        applied: impl IntoIterator<Item = &'a Command>,
+        rejected: &[Key],
+    ) {
+        for ((b, p, id), slot) in slots {
+            let k = key_hash(*b, *p, id);
+            if slot.record_dirty {
+                self.entries.remove(&k);
+            } else if slot.gen_dirty
+                && let Some(e) = self.entries.get_mut(&k)
+            {
+                e.generation = slot.generation;
+            }
+        }
+        for cmd in applied {
+            let hash = command_hash(cmd);
+            let Some(key) = cmd.key.as_ref() else { continue };
+            let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
+            let Some(slot) = slots.get(&slot_key) else { continue };
+            if hash == 0 || slot.record_dirty || slot.record.is_none() || rejected.contains(&slot_key) {
+                continue;
+            }
+            let k = key_hash(key.brand_id, key.place_id, &key.product_id);
+            if !self.entries.contains_key(&k) && self.entries.len() >= self.capacity {
+                continue;
+            }
+            let r = slot.record.as_ref().expect("checked above");
+            let e = self.entries.entry(k).or_default();
+            e.present = !r.absent && !r.deleted;
+            e.generation = slot.generation;
+            e.learn(hash);
+        }
+    }
+
+    /// Forgets the records a commit wrote (one that learns nothing: sweeps,
+    /// purges).
+    pub fn forget_written(&mut self, slots: &HashMap<Key, Slot>) {
+        self.committed(slots, std::iter::empty(), &[]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shelfsync_proto::{Record, RecordKey};
+
+    fn patch(id: &str, data: &[u8], generation: i64) -> Command {
+        Command {
+            key: Some(RecordKey { brand_id: 7, place_id: 1, product_id: id.into() }),
+            kind: CommandKind::Patch as i32,
+            data: data.to_vec(),
+            generation,
+            ..Default::default()
+        }
+    }
+
+    fn key(id: &str) -> Key {
+        (7, 1, id.to_string())
+    }
+
+    fn clean(absent: bool, generation: i64) -> Slot {
+        Slot { record: Some(Record { absent, ..Default::default() }), generation, ..Default::default() }
+    }
+
+    fn batch(cmds: Vec<Command>) -> CommandBatch {
+        CommandBatch { commands: cmds, ..Default::default() }
+    }
+
+    #[test]
+    fn only_an_observed_no_op_is_vouched_for() {
+        let mut known = Known::new(10);
+        let a = patch("a", b"x", 5);
+        let b = batch(vec![a.clone()]);
+        assert!(known.split(&[&b])[0].skipped.is_empty(), "nothing known yet");
+        known.committed(&HashMap::from([(key("a"), clean(false, 5))]), [&a], &[]);
+        let split = &known.split(&[&b])[0];
+        assert_eq!(split.skipped.len(), 1);
+        assert!(split.rest.commands.is_empty());
+        assert!(known.generation_slots(&split.skipped).is_empty(), "same generation: no write");
+        let next = batch(vec![patch("a", b"x", 6)]);
+        let split = &known.split(&[&next])[0];
+        assert_eq!(known.generation_slots(&split.skipped)[&key("a")].generation, 6);
+        let other = batch(vec![patch("a", b"y", 6)]);
+        assert_eq!(known.split(&[&other])[0].skipped.len(), 0, "another patch is loaded");
+    }
+
+    #[test]
+    fn a_written_record_is_forgotten() {
+        let mut known = Known::new(10);
+        let a = patch("a", b"x", 5);
+        known.committed(&HashMap::from([(key("a"), clean(false, 5))]), [&a], &[]);
+        let mut dirty = clean(false, 5);
+        dirty.record_dirty = true;
+        known.forget_written(&HashMap::from([(key("a"), dirty)]));
+        assert!(known.is_empty());
+    }
+
+    #[test]
+    fn a_key_with_any_unknown_command_goes_through_redis_whole() {
+        let mut known = Known::new(10);
+        let a = patch("a", b"x", 0);
+        known.committed(&HashMap::from([(key("a"), clean(false, 0))]), [&a], &[]);
+        let first = batch(vec![a.clone()]);
+        let second = batch(vec![patch("a", b"y", 0)]);
+        let split = known.split(&[&first, &second]);
+        assert!(split.iter().all(|s| s.skipped.is_empty()));
+        assert_eq!(split[0].rest.commands.len() + split[1].rest.commands.len(), 2);
+    }
+
+    #[test]
+    fn an_absent_record_is_not_vouched_for_a_full_import() {
+        let mut known = Known::new(10);
+        let delta = patch("a", b"x", 0);
+        known.committed(&HashMap::from([(key("a"), clean(true, 3))]), [&delta], &[]);
+        assert_eq!(known.split(&[&batch(vec![delta.clone()])])[0].skipped.len(), 1);
+        let full = batch(vec![patch("a", b"x", 9)]);
+        assert!(known.split(&[&full])[0].skipped.is_empty(), "bringing it back is a change");
+    }
+
+    #[test]
+    fn cas_saves_deletes_and_rejected_keys_are_never_learned() {
+        let mut known = Known::new(10);
+        let mut cas = patch("a", b"x", 0);
+        cas.expected_updated_at = Some(1);
+        let mut save = patch("b", b"x", 0);
+        save.kind = CommandKind::Save as i32;
+        let c = patch("c", b"x", 0);
+        let slots = HashMap::from([
+            (key("a"), clean(false, 0)),
+            (key("b"), clean(false, 0)),
+            (key("c"), clean(false, 0)),
+        ]);
+        known.committed(&slots, [&cas, &save, &c], &[key("c")]);
+        assert!(known.is_empty());
+    }
+
+    #[test]
+    fn it_stops_growing_at_its_capacity() {
+        let mut known = Known::new(1);
+        let (a, b) = (patch("a", b"x", 0), patch("b", b"x", 0));
+        let slots = HashMap::from([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
+        known.committed(&slots, [&a, &b], &[]);
+        assert_eq!(known.len(), 1);
+    }
+}
