@@ -38,7 +38,7 @@ find_nats() {
 }
 
 if ! command -v cargo >/dev/null; then
-  log "cargo is missing: install Rust >= 1.88 with rustup (https://rustup.rs); Debian's cargo is too old"
+  log "cargo is missing: install Rust >= 1.91 with rustup (https://rustup.rs); Debian's cargo is too old"
   exit 1
 fi
 
