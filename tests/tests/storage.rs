@@ -92,6 +92,59 @@ async fn identical_reimport_emits_nothing_and_churn_emits_exactly_the_changed() 
     }
 }
 
+/// The owner skips Redis only for PATCHes it saw change nothing on the
+/// record as it is now; whatever writes a record makes the next PATCH of it
+/// go through Redis again, so the outcome is the one without skipping.
+#[tokio::test]
+async fn the_owner_skips_redis_only_for_patches_it_saw_change_nothing() {
+    let (_env, h, storage) = start().await;
+    let skipped = || shelfsync_storage::Stats::get(&storage.stats.known_skipped);
+    let items = 50;
+    let price = |_: i64, i: usize| 1000 + i as i64;
+    let h = &h;
+    let import = |generation| async move {
+        h.send(full_import(&[1], items, generation, price)).await.unwrap();
+        h.send_sweep(BRAND, 1, generation).await.unwrap();
+        h.wait_settled().await;
+    };
+    let g1 = now_us();
+    import(g1).await;
+    import(g1 + 1).await;
+    assert_eq!(skipped(), 0, "created, then seen unchanged once: nothing vouched for yet");
+    import(g1 + 2).await;
+    assert_eq!(skipped(), items as u64, "the third identical import reads no record");
+    let r = h.get(BRAND, 1, "sku-3").await.unwrap().unwrap();
+    assert_eq!(r.generation, g1 + 2, "the generation is written without a read");
+    assert_eq!(h.changes().await.unwrap().len(), items);
+
+    // A sweep takes sku-2 (absent); then another source moves sku-1's price.
+    let without_2: Vec<Command> = full_import(&[1], items, g1 + 3, price)
+        .into_iter()
+        .filter(|c| c.key.as_ref().unwrap().product_id != "sku-2")
+        .collect();
+    h.send(without_2).await.unwrap();
+    h.send_sweep(BRAND, 1, g1 + 3).await.unwrap();
+    h.wait_settled().await;
+    assert!(h.get(BRAND, 1, "sku-2").await.unwrap().unwrap().absent);
+    h.send(vec![patch(BRAND, 1, "sku-1", &product("item 1", 7, 1), 0)]).await.unwrap();
+    h.wait_settled().await;
+    let changes_before = h.changes().await.unwrap().len();
+
+    // The same import again: sku-1 goes back to its price, sku-2 comes back,
+    // every other record is vouched for.
+    let at = skipped();
+    import(g1 + 4).await;
+    let new: Vec<_> = h.changes().await.unwrap().split_off(changes_before);
+    let id = |c: &shelfsync_proto::Change| c.key.as_ref().unwrap().product_id.clone();
+    let mut ids: Vec<String> = new.iter().map(id).collect();
+    ids.sort();
+    assert_eq!(ids, ["sku-1", "sku-2"], "exactly the records written by others change back");
+    let sku1 = new.iter().find(|c| id(c) == "sku-1").unwrap();
+    assert_eq!(decode_product(&sku1.after.as_ref().unwrap().data).price, Some(1001));
+    assert!(new.iter().all(|c| !c.after.as_ref().unwrap().absent));
+    assert_eq!(skipped() - at, items as u64 - 2, "every record but those two");
+}
+
 #[tokio::test]
 async fn price_and_stock_feeds_glue_and_zero_is_a_value() {
     let (_env, h, _storage) = start().await;

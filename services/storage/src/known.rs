@@ -120,14 +120,6 @@ impl Known {
         Self { entries: HashMap::new(), capacity }
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Forgets everything (a failed or fenced commit, a new binding).
     pub fn clear(&mut self) {
         self.entries.clear();
@@ -288,7 +280,7 @@ mod tests {
         let mut dirty = clean(false, 5);
         dirty.record_dirty = true;
         known.forget_written(&HashMap::from([(key("a"), dirty)]));
-        assert!(known.is_empty());
+        assert!(known.entries.is_empty());
     }
 
     #[test]
@@ -327,7 +319,7 @@ mod tests {
             (key("c"), clean(false, 0)),
         ]);
         known.committed(&slots, [&cas, &save, &c], &[key("c")]);
-        assert!(known.is_empty());
+        assert!(known.entries.is_empty());
     }
 
     #[test]
@@ -336,6 +328,6 @@ mod tests {
         let (a, b) = (patch("a", b"x", 0), patch("b", b"x", 0));
         let slots = HashMap::from([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
         known.committed(&slots, [&a, &b], &[]);
-        assert_eq!(known.len(), 1);
+        assert_eq!(known.entries.len(), 1);
     }
 }

@@ -61,6 +61,9 @@ pub struct Stats {
     pub applied: AtomicU64,
     /// Applied commands that changed nothing observable.
     pub unchanged: AtomicU64,
+    /// Unchanged commands the partition owner vouched for without reading
+    /// Redis (counted in `unchanged` too; `crate::known`).
+    pub known_skipped: AtomicU64,
     pub changes: AtomicU64,
     pub rejected: AtomicU64,
     pub sweeps: AtomicU64,
@@ -97,6 +100,7 @@ impl Stats {
             "commands": g(&self.commands),
             "applied": g(&self.applied),
             "unchanged": g(&self.unchanged),
+            "known_skipped": g(&self.known_skipped),
             "changes": g(&self.changes),
             "rejected": g(&self.rejected),
             "sweeps": g(&self.sweeps),

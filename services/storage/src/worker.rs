@@ -797,6 +797,7 @@ impl Worker {
             let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
             let n = split.skipped.len() as u64;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
+            self.stats.add(&self.stats.known_skipped, n);
             skipped.extend(split.skipped.iter().cloned());
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
