@@ -29,7 +29,7 @@ NATS_BIN=$(scripts/install-deps.sh)
 REDIS_BIN=${SHELFSYNC_REDIS_SERVER:-redis-server}
 
 SERVICES=(storage ingest validator aggregator recommender picks)
-log "building (release): the CLI and ${SERVICES[*]}"
+log "building (release): the CLI and ${SERVICES[*]} (the first build takes minutes)"
 build_args=(--bin shelfsync)
 for s in "${SERVICES[@]}"; do build_args+=(--bin "shelfsync-$s"); done
 cargo build --release --quiet "${build_args[@]}"
