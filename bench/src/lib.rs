@@ -17,6 +17,7 @@
 //!   and the keep-alive load loop; `report`: the table, `bench.json`, `bench.md`, the targets.
 //!
 //! It owns its servers, work dir and output dir; it never touches servers on the default ports.
+//! Its servers are durable (Redis fsyncs its AOF on every write, JetStream every write).
 //! Times are never asserted on: the harness reports, CI only checks that it runs.
 #![forbid(unsafe_code)]
 

@@ -21,6 +21,8 @@ pub struct Report {
     pub records: u64,
     pub places: u32,
     pub partitions: u32,
+    /// How the servers keep what they acknowledge (every figure of the run is under it).
+    pub durability: String,
     pub imports: Vec<ImportRow>,
     pub redis_memory: Option<RedisMemory>,
     pub keyframes: Vec<KeyframeRun>,
@@ -267,6 +269,7 @@ impl Report {
             records: profile.records(),
             places: profile.places,
             partitions: profile.partitions,
+            durability: crate::world::DURABILITY.into(),
             ..Default::default()
         }
     }
@@ -444,7 +447,7 @@ impl Report {
         let _ = writeln!(
             md,
             "Machine: {} × {} cores, {:.0} GB RAM, Linux {}; {}; Redis {}; commit `{}`. \
-             {} records in {} places, {} partitions; run took {:.0} s.\n",
+             {} records in {} places, {} partitions; run took {:.0} s. Servers {}.\n",
             m.cores,
             m.cpu_model,
             m.memory_gb,
@@ -455,7 +458,8 @@ impl Report {
             self.records,
             self.places,
             self.partitions,
-            self.duration_s
+            self.duration_s,
+            self.durability
         );
         self.md_imports(&mut md);
         self.md_live(&mut md);
@@ -483,7 +487,7 @@ impl Report {
         }
         let _ = writeln!(
             md,
-            "### Re-imports, end to end (import start → applied)\n\n\
+            "### Re-imports, end to end (import start → applied), durable servers\n\n\
              | scenario | system | records/s | raw MB/s | e2e s | vs floor | CPU s / 1M: ingest | apply | Redis | NATS | changes (expected) | change bytes / raw | Redis writes |\n\
              |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );

@@ -16,6 +16,24 @@ use crate::profile::Profile;
 /// Brand of every generated feed.
 pub const BRAND: i64 = 7;
 
+/// Redis as a durable deployment runs it: every write in the append-only file, fsynced before
+/// the reply (one fsync per event-loop turn, so pipelined writes share it).
+const REDIS_DURABLE: [&str; 4] = ["--appendonly", "yes", "--appendfsync", "always"];
+
+/// How the servers of a run keep what they acknowledge; the report says it next to every figure.
+pub const DURABILITY: &str = "durable: Redis appendonly yes + appendfsync always, \
+     NATS JetStream sync_interval always";
+
+/// JetStream fsyncing every write. NATS config keys do not merge, so this block replaces the
+/// testkit's whole `jetstream` block: it repeats its limits, with the store under `store`.
+fn durable_jetstream(store: &Path) -> String {
+    format!(
+        "jetstream {{\n  store_dir: \"{}\"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n  \
+         sync_interval: always\n}}\n",
+        store.display()
+    )
+}
+
 pub struct World {
     pub nats: NatsServer,
     pub redis: RedisServer,
@@ -25,6 +43,16 @@ pub struct World {
     nats_pid: Option<u32>,
     pub profile: Profile,
     pub work: PathBuf,
+}
+
+/// The run's nats-server and redis-server, both durable; JetStream's store under `work`.
+async fn start_servers(work: &Path) -> anyhow::Result<(NatsServer, RedisServer)> {
+    let jetstream = durable_jetstream(&work.join("jetstream"));
+    tokio::try_join!(
+        NatsServer::start_with_config(&jetstream),
+        RedisServer::start_with_args(&REDIS_DURABLE)
+    )
+    .context("starting nats-server and redis-server (see shelfsync-testkit)")
 }
 
 /// `<target dir>/bench-work/run-<pid>`, the target dir being where this binary was built: one
@@ -40,8 +68,7 @@ impl World {
     pub async fn start(profile: Profile, work: PathBuf) -> anyhow::Result<World> {
         std::fs::create_dir_all(&work)
             .with_context(|| format!("creating the work dir {}", work.display()))?;
-        let (nats, redis) = tokio::try_join!(NatsServer::start(), RedisServer::start())
-            .context("starting nats-server and redis-server (see shelfsync-testkit)")?;
+        let (nats, redis) = start_servers(&work).await?;
         let client = async_nats::connect(nats.url()).await.context("connecting to NATS")?;
         let js =
             jetstream::ContextBuilder::new().timeout(Duration::from_secs(30)).build(client.clone());
@@ -123,4 +150,32 @@ pub fn partner(prices_only: bool) -> PartnerSettings {
 /// A loopback port free right now (the child binds it a moment later).
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn servers_start_durable() -> anyhow::Result<()> {
+        let work = tempfile::tempdir()?;
+        let (nats, redis) = start_servers(work.path()).await?;
+
+        let monitor: std::net::SocketAddr =
+            nats.monitor_url().trim_start_matches("http://").parse()?;
+        let varz = crate::http::get_json(monitor, "/varz").await?;
+        let js = &varz["jetstream"]["config"];
+        assert_eq!(js["sync_always"], true, "{js}");
+        let store = js["store_dir"].as_str().unwrap_or_default();
+        assert!(store.starts_with(&work.path().join("jetstream").display().to_string()), "{js}");
+        assert_eq!(js["max_storage"], 4u64 << 30, "{js}");
+
+        let mut conn = redis::Client::open(redis.url())?.get_multiplexed_async_connection().await?;
+        for (name, want) in [("appendonly", "yes"), ("appendfsync", "always")] {
+            let got: Vec<String> =
+                redis::cmd("CONFIG").arg("GET").arg(name).query_async(&mut conn).await?;
+            assert_eq!(got, [name, want]);
+        }
+        Ok(())
+    }
 }
