@@ -40,6 +40,12 @@ pub struct Cli {
     #[arg(long)]
     pub keep_work: bool,
 
+    /// Servers that do not fsync what they acknowledge, as runs before durability were taken:
+    /// Redis without AOF, JetStream's default sync, PostgreSQL with `synchronous_commit = off`.
+    /// By default every server is durable.
+    #[arg(long)]
+    pub volatile: bool,
+
     /// Skip the PostgreSQL peer of the re-import scenario (by default it runs with it, on a
     /// private cluster; Debian's `postgresql` is installed with apt-get when missing).
     #[arg(long)]
@@ -114,8 +120,9 @@ mod tests {
     #[test]
     fn postgres_peer_flags() {
         let cli = Cli::try_parse_from(["b", "--quick"]).expect("parse");
-        assert!(!cli.no_postgres);
+        assert!(!cli.no_postgres && !cli.volatile);
         assert_eq!(cli.postgres_connections, [1, 2, 4, 8]);
+        assert!(Cli::try_parse_from(["b", "--volatile"]).expect("parse").volatile);
         let cli = Cli::try_parse_from(["b", "--no-postgres", "--postgres-connections", "4"])
             .expect("parse");
         assert!(cli.no_postgres);

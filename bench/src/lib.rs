@@ -20,7 +20,7 @@
 //!
 //! It owns its servers, work dir and output dir; it never touches servers on the default ports.
 //! Its servers are durable (Redis fsyncs its AOF on every write, JetStream every write,
-//! PostgreSQL keeps `fsync` and `synchronous_commit` on).
+//! PostgreSQL keeps `fsync` and `synchronous_commit` on), unless `--volatile`.
 //! Times are never asserted on: the harness reports, CI only checks that it runs.
 #![forbid(unsafe_code)]
 
@@ -65,7 +65,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     std::fs::create_dir_all(&cli.out)
         .with_context(|| format!("creating the output dir {}", cli.out.display()))?;
-    let world = World::start(profile.clone(), work.clone()).await?;
+    let world = World::start(profile.clone(), work.clone(), !cli.volatile).await?;
     let mut report = Report::new(&profile, &world).await;
     eprintln!(
         "[bench] profile {}: {} records in {} places; nats {} redis {}; work dir {}",

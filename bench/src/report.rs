@@ -21,7 +21,8 @@ pub struct Report {
     pub records: u64,
     pub places: u32,
     pub partitions: u32,
-    /// How the servers keep what they acknowledge (every figure of the run is under it).
+    /// Whether the servers fsync what they acknowledge, and how (every figure is under it).
+    pub durable: bool,
     pub durability: String,
     pub imports: Vec<ImportRow>,
     /// Ingest's parser alone over the base dump.
@@ -361,7 +362,8 @@ impl Report {
             records: profile.records(),
             places: profile.places,
             partitions: profile.partitions,
-            durability: crate::world::DURABILITY.into(),
+            durable: world.durable,
+            durability: world.durability().into(),
             ..Default::default()
         }
     }
@@ -580,9 +582,10 @@ impl Report {
         }
         let _ = writeln!(
             md,
-            "### Re-imports, end to end (import start → applied), durable servers\n\n\
+            "### Re-imports, end to end (import start → applied), {} servers\n\n\
              | scenario | system | records/s | raw MB/s | e2e s | vs floor | CPU s / 1M: ingest | apply | Redis | NATS | changes (expected) | change bytes / raw | Redis writes |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            self.durability_word()
         );
         for r in &self.imports {
             let vs = r.vs_floor.map_or("—".into(), |v| format!("{:.0}%", v * 100.0));
@@ -658,12 +661,16 @@ impl Report {
         let _ = writeln!(md);
     }
 
+    fn durability_word(&self) -> &'static str {
+        if self.durable { "durable" } else { "volatile" }
+    }
+
     /// shelfsync next to the PostgreSQL peer, the parse floor and how the peer ran.
     fn md_postgres(&self, md: &mut String) {
         if let Some(pg) = &self.postgres {
             let _ = writeln!(
                 md,
-                "### PostgreSQL peer, durable (same dumps, same run)\n\n\
+                "### PostgreSQL peer, {} (same dumps, same run)\n\n\
                  PostgreSQL {} on its own loopback cluster ({}). Batches of {} rows, one \
                  transaction each: one statement locks the current rows, upserts those whose \
                  payload is distinct and writes their outbox events (before, after), then a \
@@ -672,7 +679,11 @@ impl Report {
                  included.\n\n\
                  | import | shelfsync records/s | PostgreSQL default records/s | shelfsync ÷ default | PostgreSQL tuned records/s | shelfsync ÷ tuned |\n\
                  |---|---:|---:|---:|---:|---:|",
-                pg.server_version, pg.settings, pg.batch_rows, pg.connections
+                self.durability_word(),
+                pg.server_version,
+                pg.settings,
+                pg.batch_rows,
+                pg.connections
             );
             let mut scenarios: Vec<&str> = Vec::new();
             for r in &pg.imports {
@@ -945,6 +956,7 @@ mod tests {
     #[test]
     fn the_postgres_table_sets_shelfsync_against_each_variant() {
         let r = Report {
+            durable: true,
             imports: vec![row("initial import", "shelfsync", 300.0, 1000)],
             postgres: Some(PostgresPeer {
                 connections: 4,
@@ -962,6 +974,8 @@ mod tests {
         };
         let md = r.markdown();
         assert!(md.contains("| initial import | 300 | 100 | 3.00× | 150 | 2.00× |"), "{md}");
+        assert!(md.contains("### PostgreSQL peer, durable"), "{md}");
+        assert!(!md.contains("volatile"), "{md}");
         assert!(
             md.contains("| identical re-import | — | **failed verification** | — | 120 | — |"),
             "{md}"

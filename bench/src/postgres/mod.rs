@@ -1,7 +1,7 @@
 //! The PostgreSQL peer of the re-import scenario: the same dumps, in the same run, applied the
 //! way one would with PostgreSQL alone — an `offers` table and a transactional outbox, change
-//! detection in SQL — on a private, durable cluster (`fsync` and `synchronous_commit` at their
-//! defaults, on).
+//! detection in SQL — on a private cluster, durable like the rest of the run (`fsync` and
+//! `synchronous_commit` at their defaults, on; `--volatile` turns `synchronous_commit` off).
 //!
 //! Per batch of 1000 rows, one transaction: one statement that locks the current rows (the
 //! before images), upserts the rows whose payload is distinct and writes one outbox event per
@@ -94,8 +94,8 @@ async fn measure_peer(
     ];
     peer.prepare_s = started.elapsed().as_secs_f64();
 
-    let dir = world.work.join("postgres");
-    let server = tokio::task::spawn_blocking(move || PgServer::start(&dir))
+    let (dir, durable) = (world.work.join("postgres"), world.durable);
+    let server = tokio::task::spawn_blocking(move || PgServer::start(&dir, durable))
         .await?
         .context("starting the bench's PostgreSQL")?;
     let most = connections.iter().copied().max().unwrap_or(1);
@@ -247,7 +247,7 @@ mod tests {
         // The server's user must reach its dir.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         let pg_dir = dir.path().join("pg");
-        let server = tokio::task::spawn_blocking(move || PgServer::start(&pg_dir)).await??;
+        let server = tokio::task::spawn_blocking(move || PgServer::start(&pg_dir, true)).await??;
         let clients = load::connect(&server.conninfo(), 2).await?;
         let (base, churn) = (dump(2500, false), dump(2500, true));
         let steps = [

@@ -140,11 +140,13 @@ pub struct PgServer {
     port: u16,
     /// Run the tools as [`SERVICE_USER`] (the bench is root).
     as_service_user: bool,
+    durable: bool,
 }
 
 impl PgServer {
-    /// Finds (or installs) the binaries, creates a cluster in `dir` and starts it.
-    pub fn start(dir: &Path) -> anyhow::Result<PgServer> {
+    /// Finds (or installs) the binaries, creates a cluster in `dir` and starts it; `durable`
+    /// keeps the defaults, else commits do not wait for their WAL flush.
+    pub fn start(dir: &Path, durable: bool) -> anyhow::Result<PgServer> {
         let root = running_as_root();
         let bin = match find_bin_dir() {
             Some(bin) => bin,
@@ -160,6 +162,7 @@ impl PgServer {
             log: dir.join("postgres.log"),
             port: 0,
             as_service_user: root,
+            durable,
         };
         if root {
             server.hand_over(dir)?;
@@ -222,7 +225,7 @@ impl PgServer {
             .append(true)
             .open(&conf)
             .with_context(|| format!("opening {}", conf.display()))?;
-        file.write_all(server_settings(self.port).as_bytes())?;
+        file.write_all(server_settings(self.port, self.durable).as_bytes())?;
         let mut cmd = self.tool_command(&self.bin.join("pg_ctl"));
         cmd.arg("-D").arg(&self.data).arg("-l").arg(&self.log);
         cmd.args(["-w", "-t", "60", "start"]);
@@ -276,12 +279,17 @@ impl Drop for PgServer {
 }
 
 /// What the cluster's `postgresql.conf` gets on top of initdb's: its own loopback port and no
-/// Unix socket (the system cluster's socket dir is not ours). Durability stays at the defaults
-/// (`fsync`, `synchronous_commit` on).
-fn server_settings(port: u16) -> String {
-    format!(
+/// Unix socket (the system cluster's socket dir is not ours). Durable, durability stays at the
+/// defaults (`fsync`, `synchronous_commit` on); volatile, commits return before their WAL is
+/// flushed (the WAL writer flushes it within a few hundred ms), like JetStream's periodic sync.
+fn server_settings(port: u16, durable: bool) -> String {
+    let mut s = format!(
         "\n# shelfsync-bench\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = ''\n"
-    )
+    );
+    if !durable {
+        s.push_str("synchronous_commit = off\n");
+    }
+    s
 }
 
 #[cfg(test)]
@@ -331,11 +339,12 @@ mod tests {
 
     #[test]
     fn settings_bind_loopback_without_a_socket() {
-        let s = server_settings(54321);
+        let s = server_settings(54321, true);
         assert!(s.contains("port = 54321\n"));
         assert!(s.contains("listen_addresses = '127.0.0.1'"));
         assert!(s.contains("unix_socket_directories = ''"));
         // Durability is left at the defaults.
         assert!(!s.lines().any(|l| l.starts_with("fsync") || l.starts_with("synchronous_commit")));
+        assert!(server_settings(54321, false).ends_with("\nsynchronous_commit = off\n"));
     }
 }
