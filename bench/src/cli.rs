@@ -40,6 +40,28 @@ pub struct Cli {
     #[arg(long)]
     pub keep_work: bool,
 
+    /// Servers that do not fsync what they acknowledge, as runs before durability were taken:
+    /// Redis without AOF, JetStream's default sync, PostgreSQL with `synchronous_commit = off`.
+    /// By default every server is durable.
+    #[arg(long)]
+    pub volatile: bool,
+
+    /// Skip the PostgreSQL peer of the re-import scenario (by default it runs with it, on a
+    /// private cluster; Debian's `postgresql` is installed with apt-get when missing).
+    #[arg(long)]
+    pub no_postgres: bool,
+
+    /// Connection counts the PostgreSQL peer tries on its first import; the fastest is kept
+    /// for the rest. One count skips the trial.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "N,...",
+        default_value = "1,2,4,8",
+        value_parser = clap::value_parser!(u16).range(1..=64)
+    )]
+    pub postgres_connections: Vec<u16>,
+
     #[command(subcommand)]
     pub child: Option<ChildRole>,
 }
@@ -47,7 +69,8 @@ pub struct Cli {
 /// The scenarios of the issue, by the names `--only` takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
-    /// 1–3: initial import, identical re-import, 1% churn, price-only feed; floor and naive.
+    /// 1–3: initial import, identical re-import, 1% churn, price-only feed; floor, naive, the
+    /// parse floor and the PostgreSQL peer.
     Reimport,
     /// 4: ingest publish → ChangeFeed consumer → recommender index, at a fixed offered rate.
     Freshness,
@@ -92,5 +115,18 @@ mod tests {
         let cli = Cli::try_parse_from(["b", "child-import", "/x.json"]).expect("parse");
         assert!(matches!(cli.child, Some(ChildRole::Import { .. })));
         assert!(Cli::try_parse_from(["b", "--only", "everything"]).is_err());
+    }
+
+    #[test]
+    fn postgres_peer_flags() {
+        let cli = Cli::try_parse_from(["b", "--quick"]).expect("parse");
+        assert!(!cli.no_postgres && !cli.volatile);
+        assert_eq!(cli.postgres_connections, [1, 2, 4, 8]);
+        assert!(Cli::try_parse_from(["b", "--volatile"]).expect("parse").volatile);
+        let cli = Cli::try_parse_from(["b", "--no-postgres", "--postgres-connections", "4"])
+            .expect("parse");
+        assert!(cli.no_postgres);
+        assert_eq!(cli.postgres_connections, [4]);
+        assert!(Cli::try_parse_from(["b", "--postgres-connections", "0"]).is_err());
     }
 }

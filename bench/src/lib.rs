@@ -13,10 +13,14 @@
 //!   naive way (rewrite and republish every record);
 //! - scenarios: `reimport` (1–3, 8), `live` (4, 5: freshness and keyframes), `rss` (6),
 //!   `recommender` (7);
+//! - next to the re-imports: `parse_floor` (ingest's parser alone) and `postgres`, the same
+//!   dumps into a private PostgreSQL (offers table and outbox, change detection in SQL);
 //! - `measure`: `/proc` CPU and RSS, Redis `INFO`; `stats`: percentiles; `http`: a tiny client
 //!   and the keep-alive load loop; `report`: the table, `bench.json`, `bench.md`, the targets.
 //!
 //! It owns its servers, work dir and output dir; it never touches servers on the default ports.
+//! Its servers are durable (Redis fsyncs its AOF on every write, JetStream every write,
+//! PostgreSQL keeps `fsync` and `synchronous_commit` on), unless `--volatile`.
 //! Times are never asserted on: the harness reports, CI only checks that it runs.
 #![forbid(unsafe_code)]
 
@@ -26,6 +30,8 @@ mod feeds;
 mod http;
 mod live;
 mod measure;
+mod parse_floor;
+mod postgres;
 mod profile;
 mod recommender;
 mod reference;
@@ -59,7 +65,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     std::fs::create_dir_all(&cli.out)
         .with_context(|| format!("creating the output dir {}", cli.out.display()))?;
-    let world = World::start(profile.clone(), work.clone()).await?;
+    let world = World::start(profile.clone(), work.clone(), !cli.volatile).await?;
     let mut report = Report::new(&profile, &world).await;
     eprintln!(
         "[bench] profile {}: {} records in {} places; nats {} redis {}; work dir {}",
@@ -86,6 +92,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let storage =
                 children::Target::start_storage(&world, "bs", cli.storage_bin.as_deref()).await?;
             reimport::run(&world, &storage, &feeds, wants(Scenario::Reimport), &mut report).await?;
+            if wants(Scenario::Reimport) {
+                report.parse_floor = Some(parse_floor::measure(&feeds.base).await?);
+                if !cli.no_postgres {
+                    let connections: Vec<usize> =
+                        cli.postgres_connections.iter().map(|&n| usize::from(n)).collect();
+                    postgres::run(&world, &feeds, &connections, &mut report).await?;
+                }
+            }
             if !wants(Scenario::Memory) {
                 report.redis_memory = None;
             }
@@ -117,5 +131,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     written?;
     eprintln!("[bench] wrote {}/bench.json and bench.md", cli.out.display());
-    outcome
+    outcome?;
+    // A peer figure that failed its verification is not one: the run fails (after the report
+    // says which).
+    if let Some(failed) = report.postgres.as_ref().map(|p| p.failures()).filter(|f| !f.is_empty()) {
+        let lines: Vec<String> = failed.iter().map(|r| r.summary()).collect();
+        anyhow::bail!("the PostgreSQL peer failed verification:\n{}", lines.join("\n"));
+    }
+    Ok(())
 }

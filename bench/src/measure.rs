@@ -71,6 +71,25 @@ fn parse_status_kb(status: &str, field: &str) -> Option<u64> {
         .ok()
 }
 
+/// User + system CPU seconds of a live process and of its live direct children: a PostgreSQL
+/// postmaster and its backends and auxiliary processes.
+pub fn family_cpu_seconds(pid: u32) -> Option<f64> {
+    let own = stat_of(&pid.to_string())?.cpu_ticks;
+    let children: u64 = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let pid_text = name.to_str()?;
+            if !pid_text.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            stat_of(pid_text).filter(|s| s.ppid == pid).map(|s| s.cpu_ticks)
+        })
+        .sum();
+    Some((own + children) as f64 / clock_ticks())
+}
+
 /// The pid of a child of this process running `comm` (e.g. the testkit's `nats-server`).
 pub fn child_pid(comm: &str) -> Option<u32> {
     let me = std::process::id();
@@ -143,6 +162,31 @@ mod tests {
         assert!(self_cpu_seconds() >= 0.0);
         assert!(status_kb("self", "VmHWM").is_some_and(|kb| kb > 0));
         assert_eq!(parse_status_kb("VmHWM:\t   5120 kB\nVmRSS:\t 100 kB\n", "VmRSS"), Some(100));
+    }
+
+    #[test]
+    fn counts_the_cpu_of_live_children() -> anyhow::Result<()> {
+        // A child that burns CPU until killed.
+        let mut child =
+            std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn()?;
+        let mut child_cpu = 0.0;
+        for _ in 0..400 {
+            child_cpu = cpu_seconds(child.id()).unwrap_or(0.0);
+            if child_cpu >= 0.3 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        let me = std::process::id();
+        let family = family_cpu_seconds(me).expect("this process");
+        let own = cpu_seconds(me).expect("this process");
+        child.kill()?;
+        child.wait()?;
+        assert!(child_cpu >= 0.3, "the child burnt only {child_cpu} s");
+        // Read after the child's figure, so the family holds at least that much of it.
+        assert!(family - own >= child_cpu - 0.02, "family {family}, own {own}, child {child_cpu}");
+        assert_eq!(family_cpu_seconds(u32::MAX), None);
+        Ok(())
     }
 
     #[test]

@@ -17,6 +17,13 @@ use crate::measure::{self, RedisInfo};
 use crate::report::{ImportRow, RedisMemory, Report};
 use crate::world::{World, partner};
 
+/// Names of the full-dump scenarios, shared with the PostgreSQL peer so the report can put
+/// the same imports side by side.
+pub const INITIAL: &str = "initial import";
+pub const IDENTICAL: &str = "identical re-import";
+pub const CHURN: &str = "re-import, 1% churn";
+pub const CHURN_BACK: &str = "re-import, 1% churn back";
+
 /// Longest an import may take to settle before the run is declared broken.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
@@ -56,7 +63,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let records = world.profile.records();
     let mut steps = vec![Step {
-        scenario: "initial import",
+        scenario: INITIAL,
         feed: &feeds.base,
         prices_only: false,
         expected_changes: records,
@@ -64,19 +71,19 @@ pub async fn run(
     if compare {
         steps.extend([
             Step {
-                scenario: "identical re-import",
+                scenario: IDENTICAL,
                 feed: &feeds.base,
                 prices_only: false,
                 expected_changes: 0,
             },
             Step {
-                scenario: "re-import, 1% churn",
+                scenario: CHURN,
                 feed: &feeds.churn,
                 prices_only: false,
                 expected_changes: feeds.churned,
             },
             Step {
-                scenario: "re-import, 1% churn back",
+                scenario: CHURN_BACK,
                 feed: &feeds.base,
                 prices_only: false,
                 expected_changes: feeds.churned,
@@ -106,7 +113,7 @@ pub async fn run(
         for (target, importer) in &targets {
             let memory_before = world.redis_info().await?;
             let row = import_once(world, target, importer, step).await?;
-            if step.scenario == "initial import" && target.name() == "shelfsync" {
+            if step.scenario == INITIAL && target.name() == "shelfsync" {
                 let after = world.redis_info().await?;
                 let mut memory = RedisMemory::between(&memory_before, &after, row.records);
                 memory.per_key_type = key_memory(world, target).await.unwrap_or_default();

@@ -21,7 +21,14 @@ pub struct Report {
     pub records: u64,
     pub places: u32,
     pub partitions: u32,
+    /// Whether the servers fsync what they acknowledge, and how (every figure is under it).
+    pub durable: bool,
+    pub durability: String,
     pub imports: Vec<ImportRow>,
+    /// Ingest's parser alone over the base dump.
+    pub parse_floor: Option<ParseFloor>,
+    /// The same full-dump imports into PostgreSQL.
+    pub postgres: Option<PostgresPeer>,
     pub redis_memory: Option<RedisMemory>,
     pub keyframes: Vec<KeyframeRun>,
     pub feed_bootstrap_s: Option<f64>,
@@ -88,6 +95,94 @@ impl ImportRow {
             self.out_over_in * 100.0,
             self.redis_writes
         )
+    }
+}
+
+/// Ingest's parser over a dump, each item into the feed's fields and nothing else.
+#[derive(Debug, Default, Serialize)]
+pub struct ParseFloor {
+    pub records: u64,
+    pub raw_bytes: u64,
+    pub seconds: f64,
+    pub records_per_s: f64,
+    pub raw_mb_per_s: f64,
+    pub cpu_s_per_m: f64,
+}
+
+/// The PostgreSQL peer: its server, how it was run, and its imports.
+#[derive(Debug, Default, Serialize)]
+pub struct PostgresPeer {
+    pub server_version: String,
+    /// Durability and memory settings as the server reports them.
+    pub settings: String,
+    pub batch_rows: usize,
+    /// Connections of the measured imports (the fastest of the probe, or the one given).
+    pub connections: usize,
+    /// The first import once per connection count tried (default variant).
+    pub probe: Vec<PeerImportRow>,
+    pub imports: Vec<PeerImportRow>,
+    /// Parsing the dumps into rows before any timing (not part of any figure).
+    pub prepare_s: f64,
+}
+
+/// One import of a dump into PostgreSQL, verified.
+#[derive(Debug, Default, Serialize)]
+pub struct PeerImportRow {
+    pub scenario: String,
+    /// `default` or `tuned`.
+    pub variant: String,
+    /// Payload type and fillfactor of the variant.
+    pub layout: String,
+    pub connections: usize,
+    pub records: u64,
+    /// First batch sent → last batch committed.
+    pub seconds: f64,
+    /// None when verification failed: such a figure is not reported.
+    pub records_per_s: Option<f64>,
+    /// The postmaster and its children (backends, WAL writer, checkpointer, ...).
+    pub server_cpu_s_per_m: Option<f64>,
+    /// This process: binding and sending the batches.
+    pub client_cpu_s_per_m: f64,
+    /// Outbox events of the import.
+    pub changes: u64,
+    pub expected_changes: u64,
+    /// Rows whose generation alone was stamped.
+    pub stamped: u64,
+    /// Why verification failed; empty when it passed.
+    pub problems: Vec<String>,
+}
+
+impl PeerImportRow {
+    pub fn summary(&self) -> String {
+        let rate = self
+            .records_per_s
+            .map_or_else(|| "FAILED VERIFICATION".to_string(), |r| format!("{r:.0}/s"));
+        format!(
+            "{} / postgres {} ({} connections): {} records in {:.2} s ({rate}), {} changes ({} expected){}",
+            self.scenario,
+            self.variant,
+            self.connections,
+            self.records,
+            self.seconds,
+            self.changes,
+            self.expected_changes,
+            if self.problems.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", self.problems.join("; "))
+            }
+        )
+    }
+}
+
+impl PostgresPeer {
+    /// Imports whose verification failed (probe included).
+    pub fn failures(&self) -> Vec<&PeerImportRow> {
+        self.probe.iter().chain(&self.imports).filter(|r| !r.problems.is_empty()).collect()
+    }
+
+    fn row(&self, scenario: &str, variant: &str) -> Option<&PeerImportRow> {
+        self.imports.iter().find(|r| r.scenario == scenario && r.variant == variant)
     }
 }
 
@@ -267,6 +362,8 @@ impl Report {
             records: profile.records(),
             places: profile.places,
             partitions: profile.partitions,
+            durable: world.durable,
+            durability: world.durability().into(),
             ..Default::default()
         }
     }
@@ -444,7 +541,7 @@ impl Report {
         let _ = writeln!(
             md,
             "Machine: {} × {} cores, {:.0} GB RAM, Linux {}; {}; Redis {}; commit `{}`. \
-             {} records in {} places, {} partitions; run took {:.0} s.\n",
+             {} records in {} places, {} partitions; run took {:.0} s. Servers {}.\n",
             m.cores,
             m.cpu_model,
             m.memory_gb,
@@ -455,9 +552,11 @@ impl Report {
             self.records,
             self.places,
             self.partitions,
-            self.duration_s
+            self.duration_s,
+            self.durability
         );
         self.md_imports(&mut md);
+        self.md_postgres(&mut md);
         self.md_live(&mut md);
         self.md_rss(&mut md);
         self.md_recommender(&mut md);
@@ -482,9 +581,10 @@ impl Report {
         }
         let _ = writeln!(
             md,
-            "### Re-imports, end to end (import start → applied)\n\n\
+            "### Re-imports, end to end (import start → applied), {} servers\n\n\
              | scenario | system | records/s | raw MB/s | e2e s | vs floor | CPU s / 1M: ingest | apply | Redis | NATS | changes (expected) | change bytes / raw | Redis writes |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            self.durability_word()
         );
         for r in &self.imports {
             let vs = r.vs_floor.map_or("—".into(), |v| format!("{:.0}%", v * 100.0));
@@ -558,6 +658,117 @@ impl Report {
             }
         }
         let _ = writeln!(md);
+    }
+
+    fn durability_word(&self) -> &'static str {
+        if self.durable { "durable" } else { "volatile" }
+    }
+
+    /// shelfsync next to the PostgreSQL peer, the parse floor and how the peer ran.
+    fn md_postgres(&self, md: &mut String) {
+        if let Some(pg) = &self.postgres {
+            let _ = writeln!(
+                md,
+                "### PostgreSQL peer, {} (same dumps, same run)\n\n\
+                 PostgreSQL {} on its own loopback cluster ({}). Batches of {} rows, one \
+                 transaction each: one statement locks the current rows, upserts those whose \
+                 payload is distinct and writes their outbox events (before, after), then a \
+                 generation-only UPDATE of the others; {} connections. Its input is parsed \
+                 before its clock starts; shelfsync's figures are end to end, parsing \
+                 included.\n\n\
+                 | import | shelfsync records/s | PostgreSQL default records/s | shelfsync ÷ default | PostgreSQL tuned records/s | shelfsync ÷ tuned |\n\
+                 |---|---:|---:|---:|---:|---:|",
+                self.durability_word(),
+                pg.server_version,
+                pg.settings,
+                pg.batch_rows,
+                pg.connections
+            );
+            let mut scenarios: Vec<&str> = Vec::new();
+            for r in &pg.imports {
+                if !scenarios.contains(&r.scenario.as_str()) {
+                    scenarios.push(&r.scenario);
+                }
+            }
+            for s in scenarios {
+                let ours = self.row(s, "shelfsync").map(|r| r.records_per_s);
+                let mut cells = vec![s.to_string(), ours.map_or("—".into(), fmt_num)];
+                for variant in ["default", "tuned"] {
+                    let peer = pg.row(s, variant);
+                    let rate = peer.and_then(|r| r.records_per_s);
+                    cells.push(match (peer, rate) {
+                        (None, _) => "—".into(),
+                        (Some(_), None) => "**failed verification**".into(),
+                        (Some(_), Some(r)) => fmt_num(r),
+                    });
+                    cells.push(match (ours, rate) {
+                        (Some(a), Some(b)) => format!("{}×", fmt_num(a / b)),
+                        _ => "—".into(),
+                    });
+                }
+                let _ = writeln!(md, "| {} |", cells.join(" | "));
+            }
+            let layouts: Vec<String> = ["default", "tuned"]
+                .iter()
+                .filter_map(|v| pg.imports.iter().find(|r| r.variant == *v))
+                .map(|r| format!("{}: {}", r.variant, r.layout))
+                .collect();
+            let _ = writeln!(md, "\nVariants — {}.", layouts.join("; "));
+            if !pg.probe.is_empty() {
+                let tried: Vec<String> = pg
+                    .probe
+                    .iter()
+                    .map(|r| {
+                        let rate = r.records_per_s.map_or("failed verification".into(), fmt_num);
+                        format!("{} → {rate}", r.connections)
+                    })
+                    .collect();
+                let _ = writeln!(
+                    md,
+                    "Connections tried on the initial import (default variant, records/s): {}; \
+                     kept {}.",
+                    tried.join(", "),
+                    pg.connections
+                );
+            }
+            let _ = writeln!(
+                md,
+                "\n| import | variant | records/s | s | server CPU s / 1M | client CPU s / 1M | outbox events (expected) | generation-only updates | verified |\n\
+                 |---|---|---:|---:|---:|---:|---:|---:|---|"
+            );
+            for r in &pg.imports {
+                let verified = if r.problems.is_empty() {
+                    "yes".to_string()
+                } else {
+                    format!("**NO**: {}", r.problems.join("; "))
+                };
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} |",
+                    r.scenario,
+                    r.variant,
+                    r.records_per_s.map_or("—".into(), fmt_num),
+                    fmt_num(r.seconds),
+                    r.server_cpu_s_per_m.map_or("—".into(), fmt_num),
+                    fmt_num(r.client_cpu_s_per_m),
+                    r.changes,
+                    r.expected_changes,
+                    r.stamped,
+                    verified
+                );
+            }
+            let _ = writeln!(md);
+        }
+        if let Some(f) = &self.parse_floor {
+            let _ = writeln!(
+                md,
+                "Parse floor (ingest's parser alone, each item of the base dump into the feed's \
+                 fields and nothing else): {} records/s, {} MB/s, {} CPU s per 1M records.\n",
+                fmt_num(f.records_per_s),
+                fmt_num(f.raw_mb_per_s),
+                fmt_num(f.cpu_s_per_m)
+            );
+        }
     }
 
     fn md_live(&self, md: &mut String) {
@@ -726,6 +937,54 @@ mod tests {
         assert!(md.contains("| re-import, 1% churn | shelfsync | 60.0 |"), "{md}");
         assert!(md.contains("naive / shelfsync"), "{md}");
         assert!(md.contains("| 100× |") || md.contains("100×"), "{md}");
+    }
+
+    fn peer_row(scenario: &str, variant: &str, rate: Option<f64>) -> PeerImportRow {
+        PeerImportRow {
+            scenario: scenario.into(),
+            variant: variant.into(),
+            layout: format!("{variant} layout"),
+            connections: 4,
+            records: 1000,
+            records_per_s: rate,
+            problems: if rate.is_some() { Vec::new() } else { vec!["3 rows not stamped".into()] },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_postgres_table_sets_shelfsync_against_each_variant() {
+        let r = Report {
+            durable: true,
+            imports: vec![row("initial import", "shelfsync", 300.0, 1000)],
+            postgres: Some(PostgresPeer {
+                connections: 4,
+                probe: vec![peer_row("initial import", "default", Some(50.0))],
+                imports: vec![
+                    peer_row("initial import", "default", Some(100.0)),
+                    peer_row("identical re-import", "default", None),
+                    peer_row("initial import", "tuned", Some(150.0)),
+                    peer_row("identical re-import", "tuned", Some(120.0)),
+                ],
+                ..Default::default()
+            }),
+            parse_floor: Some(ParseFloor { records_per_s: 4000.0, ..Default::default() }),
+            ..Default::default()
+        };
+        let md = r.markdown();
+        assert!(md.contains("| initial import | 300 | 100 | 3.00× | 150 | 2.00× |"), "{md}");
+        assert!(md.contains("### PostgreSQL peer, durable"), "{md}");
+        assert!(!md.contains("volatile"), "{md}");
+        assert!(
+            md.contains("| identical re-import | — | **failed verification** | — | 120 | — |"),
+            "{md}"
+        );
+        // One line per import kind, whatever the order of the peer's rows.
+        assert_eq!(md.matches("| initial import | 300 |").count(), 1, "{md}");
+        assert!(md.contains("**NO**: 3 rows not stamped"), "{md}");
+        assert!(md.contains("4 → 50.0; kept 4"), "{md}");
+        assert!(md.contains("Parse floor") && md.contains("4000 records/s"), "{md}");
+        assert_eq!(r.postgres.as_ref().map(|p| p.failures().len()), Some(1));
     }
 
     #[test]

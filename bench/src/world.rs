@@ -16,6 +16,27 @@ use crate::profile::Profile;
 /// Brand of every generated feed.
 pub const BRAND: i64 = 7;
 
+/// Redis as a durable deployment runs it: every write in the append-only file, fsynced before
+/// the reply (one fsync per event-loop turn, so pipelined writes share it).
+const REDIS_DURABLE: [&str; 4] = ["--appendonly", "yes", "--appendfsync", "always"];
+
+/// How the servers of a durable run keep what they acknowledge (the report says it).
+const DURABLE: &str = "durable: Redis appendonly yes + appendfsync always, \
+     NATS JetStream sync_interval always";
+/// The same for a `--volatile` run.
+const VOLATILE: &str = "volatile: Redis without AOF or snapshots, \
+     NATS JetStream with its default sync (every 2 minutes)";
+
+/// JetStream fsyncing every write. NATS config keys do not merge, so this block replaces the
+/// testkit's whole `jetstream` block: it repeats its limits, with the store under `store`.
+fn durable_jetstream(store: &Path) -> String {
+    format!(
+        "jetstream {{\n  store_dir: \"{}\"\n  max_memory_store: 256MB\n  max_file_store: 4GB\n  \
+         sync_interval: always\n}}\n",
+        store.display()
+    )
+}
+
 pub struct World {
     pub nats: NatsServer,
     pub redis: RedisServer,
@@ -25,6 +46,23 @@ pub struct World {
     nats_pid: Option<u32>,
     pub profile: Profile,
     pub work: PathBuf,
+    /// Servers fsync what they acknowledge (the default), or not (`--volatile`).
+    pub durable: bool,
+}
+
+/// The run's nats-server and redis-server: durable (JetStream's store under `work`), or as the
+/// testkit starts them.
+async fn start_servers(work: &Path, durable: bool) -> anyhow::Result<(NatsServer, RedisServer)> {
+    let (jetstream, redis_args) = if durable {
+        (durable_jetstream(&work.join("jetstream")), &REDIS_DURABLE[..])
+    } else {
+        (String::new(), &[][..])
+    };
+    tokio::try_join!(
+        NatsServer::start_with_config(&jetstream),
+        RedisServer::start_with_args(redis_args)
+    )
+    .context("starting nats-server and redis-server (see shelfsync-testkit)")
 }
 
 /// `<target dir>/bench-work/run-<pid>`, the target dir being where this binary was built: one
@@ -37,11 +75,10 @@ pub fn default_work_dir() -> anyhow::Result<PathBuf> {
 }
 
 impl World {
-    pub async fn start(profile: Profile, work: PathBuf) -> anyhow::Result<World> {
+    pub async fn start(profile: Profile, work: PathBuf, durable: bool) -> anyhow::Result<World> {
         std::fs::create_dir_all(&work)
             .with_context(|| format!("creating the work dir {}", work.display()))?;
-        let (nats, redis) = tokio::try_join!(NatsServer::start(), RedisServer::start())
-            .context("starting nats-server and redis-server (see shelfsync-testkit)")?;
+        let (nats, redis) = start_servers(&work, durable).await?;
         let client = async_nats::connect(nats.url()).await.context("connecting to NATS")?;
         let js =
             jetstream::ContextBuilder::new().timeout(Duration::from_secs(30)).build(client.clone());
@@ -50,7 +87,12 @@ impl World {
             .await
             .context("connecting to Redis")?;
         let nats_pid = measure::child_pid("nats-server");
-        Ok(World { nats, redis, client, js, info_conn, nats_pid, profile, work })
+        Ok(World { nats, redis, client, js, info_conn, nats_pid, profile, work, durable })
+    }
+
+    /// What the servers of this run keep; the report says it next to every figure.
+    pub fn durability(&self) -> &'static str {
+        if self.durable { DURABLE } else { VOLATILE }
     }
 
     /// Settings of one system under test: subjects and streams under `prefix`, keys under the
@@ -123,4 +165,54 @@ pub fn partner(prices_only: bool) -> PartnerSettings {
 /// A loopback port free right now (the child binds it a moment later).
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// JetStream's `sync_always`, and Redis' `appendonly` / `appendfsync`, as the servers say.
+    async fn read_back(
+        nats: &NatsServer,
+        redis: &RedisServer,
+    ) -> anyhow::Result<(bool, Vec<String>)> {
+        let monitor: std::net::SocketAddr =
+            nats.monitor_url().trim_start_matches("http://").parse()?;
+        let varz = crate::http::get_json(monitor, "/varz").await?;
+        let sync = varz["jetstream"]["config"]["sync_always"].as_bool().unwrap_or(false);
+        let mut conn = redis::Client::open(redis.url())?.get_multiplexed_async_connection().await?;
+        let mut aof = Vec::new();
+        for name in ["appendonly", "appendfsync"] {
+            let got: Vec<String> =
+                redis::cmd("CONFIG").arg("GET").arg(name).query_async(&mut conn).await?;
+            aof.push(got.get(1).cloned().unwrap_or_default());
+        }
+        Ok((sync, aof))
+    }
+
+    #[tokio::test]
+    async fn volatile_servers_do_not_fsync_every_write() -> anyhow::Result<()> {
+        let work = tempfile::tempdir()?;
+        let (nats, redis) = start_servers(work.path(), false).await?;
+        let (sync, aof) = read_back(&nats, &redis).await?;
+        assert!(!sync);
+        assert_eq!(aof[0], "no");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn servers_start_durable() -> anyhow::Result<()> {
+        let work = tempfile::tempdir()?;
+        let (nats, redis) = start_servers(work.path(), true).await?;
+        assert_eq!(read_back(&nats, &redis).await?, (true, vec!["yes".into(), "always".into()]));
+        // The block replaced the testkit's: its store and limits are there too.
+        let monitor: std::net::SocketAddr =
+            nats.monitor_url().trim_start_matches("http://").parse()?;
+        let varz = crate::http::get_json(monitor, "/varz").await?;
+        let js = &varz["jetstream"]["config"];
+        let store = js["store_dir"].as_str().unwrap_or_default();
+        assert!(store.starts_with(&work.path().join("jetstream").display().to_string()), "{js}");
+        assert_eq!(js["max_storage"], 4u64 << 30, "{js}");
+        Ok(())
+    }
 }
