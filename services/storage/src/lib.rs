@@ -16,6 +16,7 @@
 
 mod app;
 pub mod apply;
+mod clock;
 pub mod failpoint;
 pub mod keyframe;
 mod known;

@@ -165,9 +165,11 @@ impl HandleError {
     }
 }
 
+mod keyframes;
+
 impl Worker {
     pub(crate) fn now_us() -> i64 {
-        chrono::Utc::now().timestamp_micros()
+        crate::clock::now_us()
     }
 
     /// The command stream and this partition's consumer on it.
