@@ -5,8 +5,9 @@
 //!
 //! - **floor**: only what cannot be avoided — decode the batch, read the records and generations
 //!   it touches (one pipelined round trip: `HMGET` records + `HMGET` generations per place, and
-//!   the generation column of a swept place), then write the generations (and the records that
-//!   do not exist yet) in one `MULTI`, then ack. No merge, no change detection, no outbox.
+//!   the generation column of a swept place), then append the ids a full import carried to its
+//!   touched set (one `APPEND` per place, as storage does) and write the records that do not
+//!   exist yet, in one `MULTI`, then ack. No merge, no change detection, no outbox.
 //! - **naive**: what shelfsync replaces — rewrite every record and every generation, and
 //!   republish every record as a change, at every import.
 //!
@@ -196,20 +197,21 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
         let records: Vec<Option<Vec<u8>>> =
             redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
         let _generations = values.next();
-        let mut gens: Vec<Vec<u8>> = Vec::new();
+        let mut carried: BTreeMap<i64, Vec<&str>> = BTreeMap::new();
         let mut new_records: Vec<Vec<u8>> = Vec::new();
         for (c, existing) in cmds.iter().zip(records) {
             if c.generation != 0 {
-                gens.push(product_id(c).as_bytes().to_vec());
-                gens.push(c.generation.to_string().into_bytes());
+                carried.entry(c.generation).or_default().push(product_id(c));
             }
             if existing.is_none() {
                 new_records.push(product_id(c).as_bytes().to_vec());
                 new_records.push(c.data.clone());
             }
         }
-        if !gens.is_empty() {
-            write.cmd("HSET").arg(keys.gens(*b, *p)).arg(gens).ignore();
+        // What the import carried, as storage keeps it: one APPEND per place.
+        for (generation, ids) in carried {
+            let blob = shelfsync_storage::apply::touched_set::encode(ids);
+            write.cmd("APPEND").arg(keys.touched(*b, *p, generation)).arg(blob).ignore();
             writes += 1;
         }
         if !new_records.is_empty() {

@@ -447,6 +447,8 @@ pub struct SerialModel {
     pub held: HashMap<(i64, i64), shelfsync_proto::SweepOutcome>,
     /// Every sweep's outcome, in order.
     pub sweeps: Vec<shelfsync_proto::SweepOutcome>,
+    /// Per (brand, place, generation), what that full import carried so far.
+    touched: HashMap<(i64, i64, i64), std::collections::HashSet<String>>,
     clock: i64,
 }
 
@@ -472,10 +474,19 @@ impl SerialModel {
             .map(|s| {
                 let place = (s.brand_id, s.place_id);
                 let held = self.held.get(&place).cloned();
-                (place, shelfsync_storage::apply::SweptPlace { column: Vec::new(), held })
+                let touched = self
+                    .touched
+                    .iter()
+                    .filter(|((b, p, _), _)| (*b, *p) == place)
+                    .map(|((_, _, g), ids)| (*g, ids.clone()))
+                    .collect();
+                (place, shelfsync_storage::apply::SweptPlace { column: Vec::new(), held, touched })
             })
             .collect();
         let out = shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &swept, &limits);
+        for t in &out.touched {
+            self.touched.entry(t.of()).or_default().insert(t.product_id.clone());
+        }
         for o in &out.sweeps {
             let Some(s) = &o.sweep else { continue };
             let place = (s.brand_id, s.place_id);
@@ -485,6 +496,7 @@ impl SerialModel {
                 }
                 "applied" => {
                     self.held.remove(&place);
+                    self.touched.remove(&(s.brand_id, s.place_id, s.generation));
                 }
                 _ => {}
             }

@@ -292,12 +292,30 @@ fn same_records(a: &HashMap<Key, Record>, b: &HashMap<Key, Record>) -> Result<()
     Ok(())
 }
 
+/// Every change on the CHANGES stream. Right after a node was lost, a
+/// JetStream API request (stream info, consumer create) can time out while
+/// the stream's leader moves: such a read is tried again, a few times.
+async fn changes_after_failover(h: &Harness) -> Vec<shelfsync_proto::Change> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match h.changes().await {
+            Ok(changes) => return changes,
+            Err(e) if attempt < 4 => {
+                eprintln!("reading the CHANGES stream (attempt {attempt}): {e:#}; again");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Err(e) => panic!("changes: {e:#}"),
+        }
+    }
+}
+
 /// The nothing-lost / nothing-duplicated checks of the crash suite, for the
 /// four-round import: exactly the serial transitions per key, the serial
 /// final state in Redis, and a replica rebuilt from the change stream equal
 /// to storage.
 async fn assert_serial_outcome(h: &Harness, places: &[i64], items: usize) {
-    let changes = h.changes().await.expect("changes");
+    let changes = changes_after_failover(h).await;
     let total: usize = (0..items).map(expected_changes).sum::<usize>() * places.len();
     let counts = count_by_key(&changes);
     for &place in places {
@@ -390,7 +408,8 @@ async fn storage_on_redis_cluster_keeps_each_batch_on_one_slot() {
 
     // Point, place and page reads all run on the partition's slot.
     let r = h.get(BRAND, places[0], &sku(7)).await.expect("get").expect("exists");
-    assert_eq!((decode_product(&r.data).price, r.generation), (Some(1_007), g2));
+    // Carried unchanged by g2: its generation stays the last import that wrote it.
+    assert_eq!((decode_product(&r.data).price, r.generation), (Some(1_007), g1));
     assert!(h.get(BRAND, places[0], &sku(49)).await.expect("get").expect("exists").absent);
     assert!(h.get(BRAND, places[15], &sku(0)).await.expect("get").expect("exists").deleted);
     let all = h.store.place_records(parts, BRAND, places[0]).await.expect("place");

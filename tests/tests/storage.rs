@@ -50,7 +50,8 @@ async fn identical_reimport_emits_nothing_and_churn_emits_exactly_the_changed() 
     assert!(first.iter().all(|c| c.kind == ChangeKind::Created as i32));
     let before = h.get(BRAND, 2, "sku-7").await.unwrap().unwrap();
 
-    // Identical re-import: generations move, nothing else does.
+    // Identical re-import: nothing moves, not even the generation (the last
+    // import that wrote the record); its sweep spares what it carried.
     let g2 = g1 + 1_000_000;
     h.send(full_import(&places, 300, g2, |_, i| 1000 + i as i64)).await.unwrap();
     for p in places {
@@ -60,8 +61,9 @@ async fn identical_reimport_emits_nothing_and_churn_emits_exactly_the_changed() 
     assert_eq!(h.changes().await.unwrap().len(), 900, "identical re-import emitted changes");
     let after = h.get(BRAND, 2, "sku-7").await.unwrap().unwrap();
     assert_eq!(after.updated_at, before.updated_at, "generation-only update bumped updated_at");
-    assert_eq!(after.generation, g2);
+    assert_eq!(after.generation, g1, "an import stamps only the records it writes");
     assert_eq!(before.generation, g1);
+    assert!(!after.absent, "the sweep spared a record its import carried");
 
     // 1% churn: 9 of 900 records get a new price.
     let churned = |place: i64, i: usize| i % 100 == 7 && place != 0;
@@ -114,7 +116,7 @@ async fn the_owner_skips_redis_only_for_patches_it_saw_change_nothing() {
     import(g1 + 2).await;
     assert_eq!(skipped(), items as u64, "the third identical import reads no record");
     let r = h.get(BRAND, 1, "sku-3").await.unwrap().unwrap();
-    assert_eq!(r.generation, g1 + 2, "the generation is written without a read");
+    assert_eq!(r.generation, g1, "vouched for: neither read nor written");
     assert_eq!(h.changes().await.unwrap().len(), items);
 
     // A sweep takes sku-2 (absent); then another source moves sku-1's price.
@@ -379,4 +381,111 @@ async fn a_queue_is_committed_in_batches_read_ahead_with_the_serial_outcome() {
     let ahead = get(&stats.batches_ahead);
     eprintln!("{} messages, {ahead} committed ahead of their delivery", batches.len());
     assert!(ahead > batches.len() as u64 / 2, "most of the queue was read ahead: {ahead}");
+}
+
+/// Redis's count of keys modified (one per hash field, list element,
+/// appended string...): the test servers keep no snapshots, so it only grows.
+async fn redis_writes(h: &Harness) -> u64 {
+    let mut conn = h.store.conn();
+    let info: String = redis::cmd("INFO").arg("persistence").query_async(&mut conn).await.unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("rdb_changes_since_last_save:"))
+        .expect("rdb_changes_since_last_save")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// One place of `records` items, full import of `generation` in messages of
+/// 1000, then its sweep.
+async fn import_one_place(h: &Harness, place: i64, records: usize, generation: i64) {
+    let batches: Vec<_> = (0..records)
+        .collect::<Vec<_>>()
+        .chunks(1000)
+        .map(|ids| shelfsync_proto::CommandBatch {
+            partition: h.partition(BRAND, place).0,
+            commands: ids
+                .iter()
+                .map(|i| patch(BRAND, place, &format!("sku-{i}"), &product("Roses", 100 + *i as i64, 3), generation))
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    h.publish_batches(&format!("g{generation}"), &batches).await.unwrap();
+    h.send_sweep(BRAND, place, generation).await.unwrap();
+    h.wait_settled().await;
+}
+
+/// Work follows changes: a full import that changes nothing writes no record
+/// nor generation field, only what it carried (one append per place and
+/// message) and where the partition stands — under 1% of its records, both
+/// through Redis (the first time) and vouched for by the owner (after).
+#[tokio::test]
+async fn an_identical_reimport_writes_under_one_percent_of_its_records_to_redis() {
+    let (_env, h, _storage) = start().await;
+    let records = 20_000;
+    import_one_place(&h, 1, records, 1).await;
+    assert_eq!(h.changes().await.unwrap().len(), records);
+    for generation in [2, 3] {
+        let before = redis_writes(&h).await;
+        import_one_place(&h, 1, records, generation).await;
+        let writes = redis_writes(&h).await - before;
+        eprintln!("identical re-import {generation} of {records} records: {writes} Redis writes");
+        assert!(writes * 100 <= records as u64, "{writes} Redis writes for {records} records");
+    }
+    assert_eq!(h.changes().await.unwrap().len(), records, "identical re-imports emitted changes");
+    for id in ["sku-0", "sku-19999"] {
+        let r = h.get(BRAND, 1, id).await.unwrap().unwrap();
+        assert!(!r.absent, "{id}: the sweep spared what its import carried");
+        assert_eq!(r.generation, 1, "{id}: the last import that wrote it");
+    }
+    // A churned one is written and stamped; one left out is swept.
+    let mut batch: Vec<Command> = (0..99)
+        .map(|i| patch(BRAND, 1, &format!("sku-{i}"), &product("Roses", 100 + i as i64, 3), 4))
+        .collect();
+    batch[5] = patch(BRAND, 1, "sku-5", &product("Roses", 1, 3), 4);
+    h.send(batch).await.unwrap();
+    h.send_sweep(BRAND, 1, 4).await.unwrap();
+    h.wait_settled().await;
+    let r = h.get(BRAND, 1, "sku-5").await.unwrap().unwrap();
+    assert_eq!((decode_product(&r.data).price, r.generation, r.absent), (Some(1), 4, false));
+    let kept = h.get(BRAND, 1, "sku-6").await.unwrap().unwrap();
+    assert_eq!((kept.generation, kept.absent), (1, false));
+    assert!(h.get(BRAND, 1, "sku-99").await.unwrap().unwrap().absent, "not carried: swept");
+    assert_eq!(h.changes().await.unwrap().len(), records + 1 + (records - 99));
+}
+
+/// The edge of the touched set: an import whose items were accepted but of
+/// which storage keeps no trace (the set expired before its sweep came) is
+/// not swept from generations alone; the sweep is held, nothing is marked.
+#[tokio::test]
+async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
+    let (_env, h, _storage) = start().await;
+    h.send(full_import(&[1], 50, 1, |_, i| 1000 + i as i64)).await.unwrap();
+    h.send_sweep(BRAND, 1, 1).await.unwrap();
+    h.send(full_import(&[1], 40, 2, |_, i| 1000 + i as i64)).await.unwrap();
+    h.wait_settled().await;
+    let p = h.partition(BRAND, 1);
+    let key = h.store.keys(p.0).touched(BRAND, 1, 2);
+    let mut conn = h.store.conn();
+    let deleted: u64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
+    assert_eq!(deleted, 1, "the import's touched set was there");
+    let sweep = shelfsync_proto::Sweep {
+        brand_id: BRAND,
+        place_id: 1,
+        generation: 2,
+        source: "test".into(),
+        import_id: "test-2".into(),
+        guard: Some(shelfsync_proto::SweepGuard { accepted: 40, max_fraction: 0.5, missing: false }),
+        ..Default::default()
+    };
+    let batch = shelfsync_proto::CommandBatch { partition: p.0, sweeps: vec![sweep], ..Default::default() };
+    h.send_batch(p, &batch).await.unwrap();
+    h.wait_settled().await;
+    let held = h.store.held(p.0, BRAND, 1).await.unwrap().expect("held");
+    assert_eq!((held.status.as_str(), held.reason.as_str()), ("held", "nothing_carried"));
+    assert_eq!(held.candidates, 50, "without the set, every record looks left out");
+    for i in 0..50 {
+        assert!(!h.get(BRAND, 1, &format!("sku-{i}")).await.unwrap().unwrap().absent);
+    }
 }

@@ -99,14 +99,68 @@ pub struct Outcome {
     pub applied: u64,
     /// What became of each sweep, in order (`command_seq` left 0).
     pub sweeps: Vec<SweepOutcome>,
+    /// Every record a full-import command of the batch carried and storage
+    /// accepted, changed or not: what the import's sweep must spare.
+    pub touched: Vec<Touch>,
+}
+
+/// A record carried by a full import (`generation`): the place's sweep of
+/// that import does not mark it absent, whatever its stored generation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Touch {
+    pub brand_id: i64,
+    pub place_id: i64,
+    pub generation: i64,
+    pub product_id: String,
+}
+
+impl Touch {
+    /// The touched set a sweep reads: this import's, for this place.
+    pub fn of(&self) -> (i64, i64, i64) {
+        (self.brand_id, self.place_id, self.generation)
+    }
+}
+
+/// The ids of a place a full import carried, as storage keeps them (one
+/// blob per place and import, appended by each commit): per id, its length
+/// (u16, little endian) and its bytes. Exact, so no collision can spare a
+/// record the import did not carry.
+pub mod touched_set {
+    use std::collections::HashSet;
+
+    pub fn encode<'a>(ids: impl IntoIterator<Item = &'a str>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for id in ids {
+            // Product ids are 1..=512 bytes (validated before any touch).
+            out.extend_from_slice(&(id.len() as u16).to_le_bytes());
+            out.extend_from_slice(id.as_bytes());
+        }
+        out
+    }
+
+    /// `None`: the blob is not one [`encode`] wrote.
+    pub fn decode(mut blob: &[u8]) -> Option<HashSet<String>> {
+        let mut ids = HashSet::new();
+        while !blob.is_empty() {
+            let (len, rest) = blob.split_first_chunk::<2>()?;
+            let len = u16::from_le_bytes(*len) as usize;
+            let id = rest.get(..len)?;
+            ids.insert(String::from_utf8(id.to_vec()).ok()?);
+            blob = &rest[len..];
+        }
+        Some(ids)
+    }
 }
 
 /// What a sweep needs of its place besides the loaded slots: the stored
-/// generation column and the sweep held for the place, if any.
+/// generation column, the sweep held for the place, if any, and the ids the
+/// imports carried to it in earlier batches, per generation (a generation
+/// missing: no such set is kept).
 #[derive(Debug, Clone, Default)]
 pub struct SweptPlace {
     pub column: Vec<(String, GenEntry)>,
     pub held: Option<SweepOutcome>,
+    pub touched: HashMap<i64, std::collections::HashSet<String>>,
 }
 
 /// Stable reasons carried by rejections.
@@ -169,13 +223,15 @@ pub fn apply_batch(
     let mut out = Outcome::default();
     for cmd in &batch.commands {
         match apply_command(cmd, slots, limits) {
-            Ok(Some(change)) => {
+            Ok(change) => {
                 out.applied += 1;
-                out.changes.push(change);
-            }
-            Ok(None) => {
-                out.applied += 1;
-                out.unchanged += 1;
+                match change {
+                    Some(change) => out.changes.push(change),
+                    None => out.unchanged += 1,
+                }
+                if let Some(touch) = touch_of(cmd) {
+                    out.touched.push(touch);
+                }
             }
             Err(rejection) => out.rejections.push(*rejection),
         }
@@ -183,7 +239,28 @@ pub fn apply_batch(
     for sweep in &batch.sweeps {
         apply_sweep(sweep, slots, swept, limits, &mut out);
     }
+    // An applied sweep ends its import's touched set (storage deletes it).
+    let applied: Vec<(i64, i64, i64)> = out
+        .sweeps
+        .iter()
+        .filter(|o| o.status == sweep::status::APPLIED)
+        .filter_map(|o| o.sweep.as_ref().map(|s| (s.brand_id, s.place_id, s.generation)))
+        .collect();
+    out.touched.retain(|t| !applied.contains(&t.of()));
     out
+}
+
+/// The touch of an accepted command: full-import commands that keep a
+/// record (not deletes) carry it for their import's sweep.
+fn touch_of(cmd: &Command) -> Option<Touch> {
+    let key = cmd.key.as_ref()?;
+    let keeps = cmd.generation > 0 && cmd.kind != CommandKind::Delete as i32;
+    keeps.then(|| Touch {
+        brand_id: key.brand_id,
+        place_id: key.place_id,
+        generation: cmd.generation,
+        product_id: key.product_id.clone(),
+    })
 }
 
 fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Box<Rejection>> {
@@ -280,22 +357,22 @@ fn apply_command(
             format!("record would be {size} bytes, limit {}", limits.max_record_bytes),
         ));
     }
-    // Only full imports stamp generations; a record they carry is present.
+    // A record a full import carries is present; the import's generation is
+    // stamped only on records it writes (the others are spared by its sweep
+    // through the touched set, see [`Touch`]).
     if cmd.generation > 0 && kind != CommandKind::Delete {
         next.absent = false;
-        generation = cmd.generation;
     }
-    // Accepted: from here on the slot moves.
-    if slot.generation != generation {
-        slot.generation = generation;
-        slot.gen_dirty = true;
-    }
-
     let observable = |r: &Record| (r.data.clone(), r.state.clone(), r.absent, r.deleted);
     let changed = before.as_ref().is_none_or(|b| observable(b) != observable(&next));
     if !changed {
         return Ok(None);
     }
+    // Accepted and changed: from here on the slot moves.
+    if cmd.generation > 0 && kind != CommandKind::Delete {
+        generation = cmd.generation;
+    }
+    slot.generation = generation;
     next.updated_at = bump(current_updated, limits.now_us);
     if before.is_none() || was_deleted {
         next.created_at = next.updated_at;
@@ -337,6 +414,12 @@ fn apply_sweep(
 ) {
     let place = (sweep.brand_id, sweep.place_id);
     let stored = swept.get(&place);
+    // What the import carried: in earlier batches, and in this one.
+    let this_batch = out.touched.iter().filter(|t| t.of() == (place.0, place.1, sweep.generation));
+    let mut carried = stored.and_then(|s| s.touched.get(&sweep.generation).cloned());
+    for t in this_batch {
+        carried.get_or_insert_default().insert(t.product_id.clone());
+    }
     let column: HashMap<&str, GenEntry> = stored
         .map(|s| s.column.iter().map(|(p, e)| (p.as_str(), *e)).collect())
         .unwrap_or_default();
@@ -351,16 +434,18 @@ fn apply_sweep(
         Some(slot) => slot.record.is_some().then(|| slot.gen_entry()),
         None => column.get(k.2.as_str()).copied(),
     };
+    let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
     let mut census = Census::default();
     for id in &products {
         if let Some(e) = entry(slots, &(place.0, place.1, id.clone())) {
-            census.count(&e, sweep.generation);
+            census.count(&e, sweep.generation, spared(id));
         }
     }
-    let decision = sweep::decide(sweep, census, stored.and_then(|s| s.held.as_ref()));
+    let decision =
+        sweep::decide(sweep, census, carried.is_some(), stored.and_then(|s| s.held.as_ref()));
     let mut marked = 0;
     if decision == Decision::Apply {
-        for id in products {
+        for id in products.into_iter().filter(|id| !spared(id)) {
             let k = (place.0, place.1, id);
             // The store loads every candidate; a missing one is skipped, not guessed.
             let Some(slot) = slots.get_mut(&k) else { continue };
@@ -374,11 +459,18 @@ fn apply_sweep(
 }
 
 /// Sweep candidates of a place: products whose stored generation is below
-/// the sweep's and that are neither absent nor deleted.
-pub fn sweep_candidates(sweep: &Sweep, column: &[(String, GenEntry)]) -> Vec<String> {
+/// the sweep's, that are neither absent nor deleted, and that the import did
+/// not carry (`touched`).
+pub fn sweep_candidates(
+    sweep: &Sweep,
+    column: &[(String, GenEntry)],
+    touched: Option<&std::collections::HashSet<String>>,
+) -> Vec<String> {
     column
         .iter()
-        .filter(|(_, e)| sweep::is_candidate(e, sweep.generation))
+        .filter(|(p, e)| {
+            sweep::is_candidate(e, sweep.generation) && !touched.is_some_and(|t| t.contains(p))
+        })
         .map(|(p, _)| p.clone())
         .collect()
 }

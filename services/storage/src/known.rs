@@ -6,8 +6,8 @@
 //! each record it keeps the hashes of a few PATCHes that were applied to the
 //! record **as it is now** and changed nothing (an identical re-import sends
 //! the same PATCH again). A command with such a hash is not loaded, merged
-//! nor compared: it is counted as unchanged, and a full import's generation
-//! is written without reading the record.
+//! nor compared: it is counted as unchanged, and a full import's only counts
+//! as carried (its touch) without reading the record.
 //!
 //! Rules that keep it exact:
 //! - a hash is learned only from an observation: the command was applied to
@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
-use crate::apply::{Key, Slot};
+use crate::apply::{Key, Slot, Touch};
 
 /// Hashes of no-op PATCHes kept per record (say, a price feed and a stock
 /// feed of the same record).
@@ -57,13 +57,21 @@ impl Entry {
     }
 }
 
-/// A command that [`Known`] vouched for: it changes nothing, and a full
-/// import's generation is to be written.
+/// A command that [`Known`] vouched for: it changes nothing; a full
+/// import's still counts as carried by its import (its touch).
 #[derive(Debug, Clone)]
 pub struct Skipped {
     pub key: Key,
-    /// The generation to write (0: none).
+    /// The full import's generation (0: none).
     pub generation: i64,
+}
+
+impl Skipped {
+    /// What the commit appends to the import's touched set, if anything.
+    pub fn touch(&self) -> Option<Touch> {
+        let (brand_id, place_id, product_id) = self.key.clone();
+        (self.generation > 0).then_some(Touch { brand_id, place_id, generation: self.generation, product_id })
+    }
 }
 
 /// The commands of one message split by [`Known::split`].
@@ -161,25 +169,6 @@ impl Known {
             .collect()
     }
 
-    /// The generation writes of skipped commands, as slots for the commit
-    /// (only where the stored generation moves).
-    pub fn generation_slots(&self, skipped: &[Skipped]) -> HashMap<Key, Slot> {
-        let mut last: HashMap<&Key, i64> = HashMap::new();
-        for s in skipped.iter().filter(|s| s.generation > 0) {
-            last.insert(&s.key, s.generation);
-        }
-        last.into_iter()
-            .filter(|((b, p, id), generation)| {
-                self.entries.get(&key_hash(*b, *p, id)).map_or(0, |e| e.generation) != *generation
-            })
-            // The record is present (vouched for): its generation entry
-            // carries no absent or deleted flag.
-            .map(|(key, generation)| {
-                (key.clone(), Slot { generation, gen_dirty: true, ..Default::default() })
-            })
-            .collect()
-    }
-
     /// After a successful commit: forgets every record it wrote, notes the
     /// generations it wrote, and learns the commands of `applied` that were
     /// applied to a record and left it as it was (`rejected`: keys with a
@@ -264,10 +253,12 @@ mod tests {
         let split = &known.split(&[&b])[0];
         assert_eq!(split.skipped.len(), 1);
         assert!(split.rest.commands.is_empty());
-        assert!(known.generation_slots(&split.skipped).is_empty(), "same generation: no write");
         let next = batch(vec![patch("a", b"x", 6)]);
         let split = &known.split(&[&next])[0];
-        assert_eq!(known.generation_slots(&split.skipped)[&key("a")].generation, 6);
+        let touch = split.skipped[0].touch().expect("a full import's command is carried");
+        assert_eq!((touch.product_id.as_str(), touch.generation), ("a", 6));
+        let delta = batch(vec![patch("a", b"x", 0)]);
+        assert_eq!(known.split(&[&delta])[0].skipped[0].touch(), None, "a delta carries nothing");
         let other = batch(vec![patch("a", b"y", 6)]);
         assert_eq!(known.split(&[&other])[0].skipped.len(), 0, "another patch is loaded");
     }

@@ -17,6 +17,7 @@
 //! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
 //! | `{ns:pN}:swept:<import_id>` | hash | `<brand>:<place>` → `SweepOutcome` of that import's sweep (expires after a week) |
 //! | `{ns:pN}:dead` | list | `OutboxEntry` bytes that could not be published at all (the last 1000) |
+//! | `{ns:pN}:t:<brand>:<place>:<generation>` | string | ids the full import of that generation carried to the place (`apply::touched_set`); deleted when its sweep is applied, else expiring |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
 //! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
 //! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
@@ -24,8 +25,10 @@
 //! | `{ns:pN}:kfo:r:<brand>:<place>` | hash | while frozen: product_id → `=`record bytes as frozen, or `-` (absent) |
 //! | `{ns:pN}:kfo:g:<brand>:<place>` | hash | the same for generations |
 //!
-//! Generations live apart from records so that an identical re-import
-//! writes one small bulk `HSET` per place and no record bytes.
+//! Generations live apart from records so that a sweep's census reads small
+//! entries. A full import stamps its generation only on the records it
+//! writes; the ids it carried go to the place's touched set, one `APPEND`
+//! per place and commit, so an identical re-import writes no record field.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -35,7 +38,7 @@ use redis::Value;
 use shelfsync_proto::{CommandBatch, OutboxEntry, Record, RecordKey, SweepOutcome};
 use shelfsync_settings::RedisSettings;
 
-use crate::apply::{GenEntry, Key, Slot, touched};
+use crate::apply::{GenEntry, Key, Slot, Touch, touched, touched_set};
 
 /// The connection type lives in `shelfsync-redis` (shared with ingest and the
 /// aggregator); re-exported so `shelfsync_storage::RedisConn` keeps working.
@@ -109,6 +112,10 @@ impl Keys {
     pub fn places(&self) -> String {
         format!("{}:places", self.tag)
     }
+    /// What the full import of `generation` carried to the place.
+    pub fn touched(&self, brand: i64, place: i64, generation: i64) -> String {
+        format!("{}:t:{brand}:{place}:{generation}", self.tag)
+    }
     pub fn ids(&self, brand: i64, place: i64) -> String {
         format!("{}:ids:{brand}:{place}", self.tag)
     }
@@ -167,6 +174,8 @@ pub struct Fence {
 #[derive(Debug, Default)]
 pub struct Writes<'a> {
     pub slots: Option<&'a HashMap<Key, Slot>>,
+    /// Records full imports carried (appended to their touched sets).
+    pub touched: &'a [Touch],
     pub outbox: &'a [OutboxEntry],
     /// Decided sweeps: kept per import; a held one is kept for its place,
     /// an applied one ends what was held for its place.
@@ -184,8 +193,11 @@ pub enum StreamBinding {
     Replaced { recorded: String },
 }
 
-/// How long a sweep's outcome is kept for its import's report.
+/// How long a sweep's outcome is kept for its import's report, and a
+/// touched set whose sweep did not come (refreshed by every append).
 const SWEPT_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+/// How long the touched set of a held sweep is kept, for its release.
+const HELD_TOUCHED_TTL_MS: u64 = 30 * 24 * 3600 * 1000;
 /// Entries kept in the partition's list of unpublishable outbox entries.
 const DEAD_KEPT: i64 = 1000;
 
@@ -234,7 +246,8 @@ local function run_ops(i)
       op = string.sub(op, 2)
       from = i + 2
     elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
-        and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' then
+        and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
+        and op ~= 'DEL' then
       return 'unknown op ' .. op
     end
     redis.call(op, key, unpack(ARGV, from, i + count - 1))
@@ -358,6 +371,12 @@ impl CommitOps {
         let op = if stride == 2 { "CHSET" } else { "CHDEL" };
         let prefix = [self.key(marker), self.key(frozen)].map(|i| i.to_string().into_bytes());
         self.op_with(op, key, &prefix, args, stride);
+    }
+
+    /// Adds `op key` with no args (`DEL`).
+    fn bare_op(&mut self, op: &str, key: &str) {
+        let ki = self.key(key);
+        self.args.extend([op.as_bytes().to_vec(), ki.to_string().into_bytes(), b"0".to_vec()]);
     }
 
     fn op_with(
@@ -487,8 +506,23 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
     ops.op("ZREM", &keys.absent(), absent_rem, 1);
 }
 
+/// Appends what full imports carried to their touched sets, one `APPEND`
+/// per place and import.
+fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &[Touch]) {
+    let mut by_set: BTreeMap<(i64, i64, i64), Vec<&str>> = BTreeMap::new();
+    for t in touched {
+        by_set.entry(t.of()).or_default().push(&t.product_id);
+    }
+    for ((b, p, generation), ids) in by_set {
+        let key = keys.touched(b, p, generation);
+        ops.op("APPEND", &key, vec![touched_set::encode(ids)], 1);
+        ops.op("PEXPIRE", &key, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+    }
+}
+
 /// The writes of decided sweeps: each outcome under its import (expiring),
-/// and the place's held sweep set (held) or ended (applied).
+/// the place's held sweep set (held) or ended (applied), and the import's
+/// touched set kept for a release (held) or dropped (applied).
 fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
     use crate::apply::sweep::status;
     for o in sweeps {
@@ -498,9 +532,16 @@ fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
         let swept = keys.swept(&sweep.import_id);
         ops.op("HSET", &swept, vec![place.clone(), bytes.clone()], 2);
         ops.op("PEXPIRE", &swept, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+        let carried = keys.touched(sweep.brand_id, sweep.place_id, sweep.generation);
         match o.status.as_str() {
-            status::HELD => ops.op("HSET", &keys.held(), vec![place, bytes], 2),
-            status::APPLIED => ops.op("HDEL", &keys.held(), vec![place], 1),
+            status::HELD => {
+                ops.op("HSET", &keys.held(), vec![place, bytes], 2);
+                ops.op("PEXPIRE", &carried, vec![HELD_TOUCHED_TTL_MS.to_string().into_bytes()], 1);
+            }
+            status::APPLIED => {
+                ops.op("HDEL", &keys.held(), vec![place], 1);
+                ops.bare_op("DEL", &carried);
+            }
             _ => {}
         }
     }
@@ -667,6 +708,25 @@ impl Store {
         Ok((next, out))
     }
 
+    /// The ids the full import of `generation` carried to a place, as far as
+    /// committed (`None`: none kept, or expired).
+    pub async fn touched(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        generation: i64,
+    ) -> Result<Option<std::collections::HashSet<String>>, StoreError> {
+        let key = self.keys(partition).touched(brand_id, place_id, generation);
+        let mut conn = self.conn.clone();
+        let blob: Option<Vec<u8>> = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+        blob.map(|b| {
+            touched_set::decode(&b)
+                .ok_or_else(|| StoreError::Corrupt { key: key.clone(), detail: "bad touched set".into() })
+        })
+        .transpose()
+    }
+
     /// The sweep held for a place, if any.
     pub async fn held(
         &self,
@@ -789,6 +849,7 @@ impl Store {
         if let Some(slots) = writes.slots {
             slot_ops(&keys, &mut ops, slots);
         }
+        touched_ops(&keys, &mut ops, writes.touched);
         sweep_ops(&keys, &mut ops, writes.sweeps);
         ops.op(
             "RPUSH",

@@ -2,7 +2,8 @@
 //! Redis call for a whole place, whatever its size.
 //!
 //! For each sweep: a census of the place (HSCAN steps over its generation
-//! column, read only) decides it (`apply::sweep::decide`); a held or refused
+//! column, read only, sparing what the import carried: its touched set)
+//! decides it (`apply::sweep::decide`); a held or refused
 //! sweep is recorded in one commit; an applied one marks the place's
 //! candidates absent [`SWEEP_STEP`] records per commit. Every commit is
 //! fenced like any other and records how far the message got in the
@@ -146,7 +147,12 @@ impl Worker {
                 outcome.rejections.clone(),
             );
             step.part = next_part;
-            let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+            let writes = Writes {
+                slots: Some(&loaded.slots),
+                touched: &outcome.touched,
+                outbox: &outbox,
+                sweeps: &[],
+            };
             self.commit_step(&mut fence, &step, batch.sweeps.is_empty(), &writes, relay, shutdown)
                 .await?;
             self.note_changed(&loaded.slots);
@@ -156,12 +162,15 @@ impl Worker {
         while step.sweep < batch.sweeps.len() {
             let s = &batch.sweeps[step.sweep];
             let last = step.sweep + 1 == batch.sweeps.len();
+            // What the import carried to the place (committed with its commands).
+            let carried = self.store.touched(p, s.brand_id, s.place_id, s.generation).await?;
+            let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
             let census = match step.applying {
                 Some(census) => census,
                 None => {
-                    let census = self.census(s, &mut alive).await?;
+                    let census = self.census(s, &spared, &mut alive).await?;
                     let held = self.store.held(p, s.brand_id, s.place_id).await?;
-                    match sweep::decide(s, census, held.as_ref()) {
+                    match sweep::decide(s, census, carried.is_some(), held.as_ref()) {
                         Decision::Apply => census,
                         decision => {
                             let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown: &mut *shutdown };
@@ -180,7 +189,7 @@ impl Worker {
                     self.store.scan_gens(p, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
                     .into_iter()
-                    .filter(|(_, e)| sweep::is_candidate(e, s.generation))
+                    .filter(|(id, e)| sweep::is_candidate(e, s.generation) && !spared(id))
                     .map(|(id, _)| id)
                     .collect();
                 if !ids.is_empty() {
@@ -205,7 +214,7 @@ impl Worker {
                             Vec::new(),
                         );
                         step.part = next_part;
-                        let writes = Writes { slots: Some(&slots), outbox: &outbox, sweeps: &[] };
+                        let writes = Writes { slots: Some(&slots), touched: &[], outbox: &outbox, sweeps: &[] };
                         self.commit_step(&mut fence, &step, false, &writes, relay, shutdown)
                             .await?;
                         self.note_changed(&slots);
@@ -229,7 +238,7 @@ impl Worker {
             step.sweep += 1;
             step.applying = None;
             step.marked = 0;
-            let writes = Writes { slots: None, outbox: &[], sweeps: std::slice::from_ref(&outcome) };
+            let writes = Writes { slots: None, touched: &[], outbox: &[], sweeps: std::slice::from_ref(&outcome) };
             self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
             self.stats.add(&self.stats.sweeps, 1);
         }
@@ -274,13 +283,18 @@ impl Worker {
         step.sweep += 1;
         step.applying = None;
         step.marked = 0;
-        let writes = Writes { slots: None, outbox: &outbox, sweeps: std::slice::from_ref(&outcome) };
+        let writes = Writes { slots: None, touched: &[], outbox: &outbox, sweeps: std::slice::from_ref(&outcome) };
         self.commit_step(fence, step, last, &writes, relay, shutdown).await
     }
 
-    /// Counts the place's live records and the sweep's candidates, in HSCAN
-    /// steps.
-    async fn census(&self, s: &Sweep, alive: &mut KeepAlive<'_>) -> Result<Census, StoreError> {
+    /// Counts the place's live records and the sweep's candidates (below its
+    /// generation and not `spared`: not carried by its import), in HSCAN steps.
+    async fn census(
+        &self,
+        s: &Sweep,
+        spared: &impl Fn(&str) -> bool,
+        alive: &mut KeepAlive<'_>,
+    ) -> Result<Census, StoreError> {
         let mut census = Census::default();
         let mut seen = std::collections::HashSet::new();
         let mut cursor = 0;
@@ -291,7 +305,7 @@ impl Worker {
             for (id, e) in column {
                 // A rehash can return a field twice.
                 if seen.insert(xxhash_rust::xxh3::xxh3_64(id.as_bytes())) {
-                    census.count(&e, s.generation);
+                    census.count(&e, s.generation, spared(&id));
                 }
             }
             if next == 0 {

@@ -806,8 +806,11 @@ impl Worker {
             rejections.extend(outcome.rejections.iter().cloned());
             outcomes.push((batch, n_changes, outcome));
         }
-        let generations = self.known().generation_slots(&skipped);
-        loaded.slots.extend(generations);
+        let touched: Vec<crate::apply::Touch> = outcomes
+            .iter()
+            .flat_map(|(_, _, o)| o.touched.iter().cloned())
+            .chain(skipped.iter().filter_map(crate::known::Skipped::touch))
+            .collect();
         let rejected: Vec<crate::apply::Key> = rejections
             .iter()
             .filter_map(|r| r.key.as_ref())
@@ -817,7 +820,7 @@ impl Worker {
             self.outbox(trace, relay).entries(last, &last.to_string(), 0, changes, rejections);
         failpoint::hit("before_commit");
         let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
-        let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+        let writes = Writes { slots: Some(&loaded.slots), touched: &touched, outbox: &outbox, sweeps: &[] };
         match self.commit(&fence, &Position::at(last), &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
@@ -931,7 +934,7 @@ impl Worker {
         let (outbox, _) =
             self.outbox(trace, relay).entries(seq, &seq.to_string(), 0, Vec::new(), vec![rejection]);
         let fence = Fence { at, stream: self.stream_identity() };
-        let writes = Writes { slots: None, outbox: &outbox, sweeps: &[] };
+        let writes = Writes { slots: None, touched: &[], outbox: &outbox, sweeps: &[] };
         match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
                 self.stats.add(&self.stats.dead_lettered, 1);
@@ -1045,7 +1048,7 @@ impl Worker {
         let (outbox, _) = self
             .outbox(&TraceParts::default(), relay)
             .entries(fence.at.applied, &id, 0, outcome.changes.clone(), Vec::new());
-        let writes = Writes { slots: Some(&loaded.slots), outbox: &outbox, sweeps: &[] };
+        let writes = Writes { slots: Some(&loaded.slots), touched: &[], outbox: &outbox, sweeps: &[] };
         match self.commit(fence, &fence.at, &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),

@@ -29,6 +29,10 @@ pub mod why {
     pub const MISSING_FROM_DUMP: &str = "missing_from_dump";
     pub const OVER_FRACTION: &str = "over_fraction";
     pub const NOT_HELD: &str = "not_held";
+    /// The import had items of the place accepted, but storage keeps no set
+    /// of what it carried (expired, or every item was rejected by storage):
+    /// it cannot tell what the import left out.
+    pub const NOTHING_CARRIED: &str = "nothing_carried";
 }
 
 /// A record with this generation entry is one the sweep marks absent.
@@ -41,17 +45,18 @@ pub fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
 pub struct Census {
     /// Present and not deleted records.
     pub live: u64,
-    /// Of those, the ones below the sweep's generation.
+    /// Of those, the ones below the sweep's generation that its import did
+    /// not carry.
     pub candidates: u64,
 }
 
 impl Census {
-    /// Counts one stored record.
-    pub fn count(&mut self, e: &GenEntry, sweep_generation: i64) {
+    /// Counts one stored record (`carried`: the sweep's import carried it).
+    pub fn count(&mut self, e: &GenEntry, sweep_generation: i64, carried: bool) {
         if !e.absent && !e.deleted {
             self.live += 1;
         }
-        if is_candidate(e, sweep_generation) {
+        if !carried && is_candidate(e, sweep_generation) {
             self.candidates += 1;
         }
     }
@@ -68,9 +73,15 @@ pub enum Decision {
     Refuse(&'static str),
 }
 
-/// Decides a sweep from what the place holds and from the sweep held for it
-/// (if any).
-pub fn decide(sweep: &Sweep, census: Census, held: Option<&SweepOutcome>) -> Decision {
+/// Decides a sweep from what the place holds, whether storage kept a set of
+/// what its import carried (`carried`), and the sweep held for the place (if
+/// any).
+pub fn decide(
+    sweep: &Sweep,
+    census: Census,
+    carried: bool,
+    held: Option<&SweepOutcome>,
+) -> Decision {
     if sweep.release_held {
         let is_held = held.and_then(|h| h.sweep.as_ref()).is_some_and(|h| {
             h.import_id == sweep.import_id && h.generation == sweep.generation
@@ -87,6 +98,9 @@ pub fn decide(sweep: &Sweep, census: Census, held: Option<&SweepOutcome>) -> Dec
         } else {
             why::NO_ITEM_ACCEPTED
         });
+    }
+    if !carried {
+        return Decision::Hold(why::NOTHING_CARRIED);
     }
     // "More than the fraction": exactly the fraction still sweeps.
     if census.candidates as f64 > guard.max_fraction * census.live as f64 {
@@ -176,35 +190,44 @@ mod tests {
     #[test]
     fn a_healthy_import_sweeps_up_to_the_fraction_and_holds_beyond_it() {
         let s = guarded(150, 0.5);
-        assert_eq!(decide(&s, census(300, 150), None), Decision::Apply, "exactly half");
-        assert_eq!(decide(&s, census(300, 151), None), Decision::Hold(why::OVER_FRACTION));
-        assert_eq!(decide(&guarded(1, 1.0), census(300, 299), None), Decision::Apply);
+        assert_eq!(decide(&s, census(300, 150), true, None), Decision::Apply, "exactly half");
+        assert_eq!(decide(&s, census(300, 151), true, None), Decision::Hold(why::OVER_FRACTION));
+        assert_eq!(decide(&guarded(1, 1.0), census(300, 299), true, None), Decision::Apply);
     }
 
     #[test]
     fn no_accepted_item_holds_a_sweep_that_would_mark_anything() {
-        assert_eq!(decide(&guarded(0, 0.5), census(300, 300), None), Decision::Hold(why::NO_ITEM_ACCEPTED));
+        assert_eq!(decide(&guarded(0, 0.5), census(300, 300), false, None), Decision::Hold(why::NO_ITEM_ACCEPTED));
         let missing = Sweep {
             guard: Some(SweepGuard { accepted: 0, max_fraction: 0.5, missing: true }),
             ..guarded(0, 0.5)
         };
-        assert_eq!(decide(&missing, census(3, 3), None), Decision::Hold(why::MISSING_FROM_DUMP));
+        assert_eq!(decide(&missing, census(3, 3), false, None), Decision::Hold(why::MISSING_FROM_DUMP));
         // Nothing to sweep: nothing to hold either.
-        assert_eq!(decide(&guarded(0, 0.5), census(0, 0), None), Decision::Apply);
-        assert_eq!(decide(&guarded(0, 0.5), census(5, 0), None), Decision::Apply);
+        assert_eq!(decide(&guarded(0, 0.5), census(0, 0), false, None), Decision::Apply);
+        assert_eq!(decide(&guarded(0, 0.5), census(5, 0), false, None), Decision::Apply);
     }
 
     #[test]
     fn an_unguarded_sweep_applies_and_a_release_needs_the_held_one() {
         let plain = Sweep { guard: None, ..guarded(0, 0.0) };
-        assert_eq!(decide(&plain, census(10, 10), None), Decision::Apply);
+        assert_eq!(decide(&plain, census(10, 10), false, None), Decision::Apply);
 
         let held = outcome(&guarded(0, 0.5), Decision::Hold(why::NO_ITEM_ACCEPTED), census(10, 10), 0, 5);
         let release = Sweep { guard: None, release_held: true, ..guarded(0, 0.5) };
-        assert_eq!(decide(&release, census(10, 10), Some(&held)), Decision::Apply);
-        assert_eq!(decide(&release, census(10, 10), None), Decision::Refuse(why::NOT_HELD));
+        assert_eq!(decide(&release, census(10, 10), false, Some(&held)), Decision::Apply);
+        assert_eq!(decide(&release, census(10, 10), false, None), Decision::Refuse(why::NOT_HELD));
         let other = Sweep { import_id: "i3".into(), generation: 3, ..release.clone() };
-        assert_eq!(decide(&other, census(10, 10), Some(&held)), Decision::Refuse(why::NOT_HELD));
+        assert_eq!(decide(&other, census(10, 10), false, Some(&held)), Decision::Refuse(why::NOT_HELD));
+    }
+
+    #[test]
+    fn a_guarded_sweep_without_what_its_import_carried_is_held() {
+        let s = guarded(150, 0.5);
+        assert_eq!(decide(&s, census(300, 1), false, None), Decision::Hold(why::NOTHING_CARRIED));
+        assert_eq!(decide(&s, census(300, 0), false, None), Decision::Apply, "nothing to sweep");
+        let plain = Sweep { guard: None, ..s };
+        assert_eq!(decide(&plain, census(300, 1), false, None), Decision::Apply);
     }
 
     #[test]
@@ -212,8 +235,10 @@ mod tests {
         let mut c = Census::default();
         let e = |generation, absent, deleted| GenEntry { generation, absent, deleted };
         for entry in [e(1, false, false), e(2, false, false), e(1, true, false), e(1, false, true)] {
-            c.count(&entry, 2);
+            c.count(&entry, 2, false);
         }
         assert_eq!(c, census(2, 1));
+        c.count(&e(1, false, false), 2, true);
+        assert_eq!(c, census(3, 1), "a record the import carried is live, not a candidate");
     }
 }

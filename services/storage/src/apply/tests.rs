@@ -153,6 +153,8 @@ struct Store {
     records: BTreeMap<Key, Record>,
     gens: BTreeMap<Key, GenEntry>,
     tombstones: BTreeSet<Key>,
+    /// Per (brand, place, generation): what that full import carried.
+    touched: BTreeMap<(i64, i64, i64), std::collections::HashSet<String>>,
     limits: Limits,
 }
 
@@ -199,6 +201,7 @@ impl Store {
             records: BTreeMap::new(),
             gens: BTreeMap::new(),
             tombstones: BTreeSet::new(),
+            touched: BTreeMap::new(),
             limits: Limits {
                 partition: shelfsync_bus::partition_of(BRAND, PLACE, partitions).0,
                 partitions,
@@ -218,6 +221,13 @@ impl Store {
         let (mut slots, sweep_gens) = self.load(batch);
         let outcome = apply_batch(batch, &mut slots, &sweep_gens, &self.limits);
         self.commit(&slots);
+        for t in &outcome.touched {
+            self.touched.entry(t.of()).or_default().insert(t.product_id.clone());
+        }
+        for o in outcome.sweeps.iter().filter(|o| o.status == "applied") {
+            let s = o.sweep.as_ref().expect("an outcome names its sweep");
+            self.touched.remove(&(s.brand_id, s.place_id, s.generation));
+        }
         self.limits.now_us += SECOND;
         Applied { outcome, slots }
     }
@@ -255,14 +265,20 @@ impl Store {
                 .filter(|((b, p, _), _)| (*b, *p) == place)
                 .map(|((_, _, id), e)| (id.clone(), *e))
                 .collect();
+            let touched: HashMap<i64, std::collections::HashSet<String>> = self
+                .touched
+                .iter()
+                .filter(|((b, p, _), _)| (*b, *p) == place)
+                .map(|((_, _, g), ids)| (*g, ids.clone()))
+                .collect();
             for s in batch.sweeps.iter().filter(|s| (s.brand_id, s.place_id) == place) {
-                for id in sweep_candidates(s, &column) {
+                for id in sweep_candidates(s, &column, touched.get(&s.generation)) {
                     let k = (place.0, place.1, id);
                     let slot = self.slot(&k);
                     slots.entry(k).or_insert(slot);
                 }
             }
-            sweep_gens.insert(place, SweptPlace { column, held: None });
+            sweep_gens.insert(place, SweptPlace { column, held: None, touched });
         }
         (slots, sweep_gens)
     }
@@ -570,7 +586,7 @@ fn a_patch_with_fields_out_of_order_is_the_same_patch() {
 // --------------------------------------------------------------- generations
 
 #[test]
-fn a_generation_only_update_writes_the_generation_silently() {
+fn a_full_import_that_changes_nothing_writes_nothing_and_counts_as_carried() {
     let mut store = Store::new();
     store.run(&batch(vec![imported(G1, patch("sku", &price(1, 2)))]));
     let stored = store.record("sku").clone();
@@ -580,10 +596,13 @@ fn a_generation_only_update_writes_the_generation_silently() {
     assert!(run.outcome.changes.is_empty(), "{:#?}", run.outcome.changes);
     assert_eq!(run.outcome.unchanged, 1);
     let slot = run.slot("sku");
-    assert!(slot.gen_dirty, "the new generation is written");
+    assert!(!slot.gen_dirty, "no generation is written");
     assert!(!slot.record_dirty, "no record bytes are written");
     assert_eq!(store.record("sku"), &stored);
-    assert_eq!(store.gen_entry("sku").generation, G2);
+    assert_eq!(store.gen_entry("sku").generation, G1, "the last import that wrote it");
+    let carried: Vec<(i64, &str)> =
+        run.outcome.touched.iter().map(|t| (t.generation, t.product_id.as_str())).collect();
+    assert_eq!(carried, [(G2, "sku")], "its sweep will spare it");
 
     // Why it matters: a validator's CAS on what it saw still wins.
     let cas = store.run(&batch(vec![expecting(T0, state_patch("sku", &hidden(true)))]));
@@ -754,7 +773,9 @@ fn a_delta_during_a_full_import_neither_saves_a_vanished_record_nor_gets_a_live_
     let kept = store.record("kept");
     assert!(!kept.absent);
     assert_eq!(data_of(kept).stock, Some(5));
-    assert_eq!(store.gen_entry("kept").generation, G2);
+    // Carried unchanged by G2, then changed by a delta: the last import
+    // that wrote it is still G1; the touched set spared it.
+    assert_eq!(store.gen_entry("kept").generation, G1);
     let vanished = store.record("vanished");
     assert!(vanished.absent);
     assert_eq!(data_of(vanished).stock, Some(5));
@@ -1227,7 +1248,9 @@ fn sweep_candidates_are_live_entries_below_the_generation() {
         ("deleted".to_string(), entry(G1, false, true)),
     ];
 
-    assert_eq!(sweep_candidates(&sweep(G2), &column), vec!["old", "delta"]);
+    assert_eq!(sweep_candidates(&sweep(G2), &column, None), vec!["old", "delta"]);
+    let carried = std::collections::HashSet::from(["old".to_string()]);
+    assert_eq!(sweep_candidates(&sweep(G2), &column, Some(&carried)), vec!["delta"], "carried: spared");
 }
 
 // ----------------------------------------------------------------- GenEntry
@@ -1257,8 +1280,8 @@ fn gen_entry_of_an_absent_deleted_record_decodes_as_deleted() {
     assert_eq!(decoded, GenEntry { absent: false, ..both });
     let column = |e| vec![("sku".to_string(), e)];
     assert_eq!(
-        sweep_candidates(&sweep(G2), &column(both)),
-        sweep_candidates(&sweep(G2), &column(decoded))
+        sweep_candidates(&sweep(G2), &column(both), None),
+        sweep_candidates(&sweep(G2), &column(decoded), None)
     );
 }
 
@@ -1387,6 +1410,9 @@ fn overwrite(mut base: Product, patch: &Product, clear: &[u32]) -> Product {
 #[derive(Debug, Default)]
 struct Model {
     records: BTreeMap<Key, Observed>,
+    /// (place, generation, product): what each full import carried, until
+    /// its sweep.
+    carried: BTreeSet<(i64, i64, String)>,
 }
 
 impl Model {
@@ -1422,8 +1448,13 @@ impl Model {
             }
             Op::Sweep { place, generation } => {
                 let mut out = Vec::new();
+                let carried = std::mem::take(&mut self.carried);
+                let (of_this, others) =
+                    carried.into_iter().partition(|(p, g, _)| (*p, *g) == (*place, *generation));
+                self.carried = others;
+                let of_this: BTreeSet<String> = of_this.into_iter().map(|(_, _, id)| id).collect();
                 for (k, r) in self.records.iter_mut().filter(|(k, _)| k.1 == *place) {
-                    if !r.absent && !r.deleted && r.generation < *generation {
+                    if !r.absent && !r.deleted && r.generation < *generation && !of_this.contains(&k.2) {
                         r.absent = true;
                         out.push((k.clone(), ChangeKind::Updated, r.clone()));
                     }
@@ -1442,11 +1473,17 @@ impl Model {
     ) -> Vec<Seen> {
         if generation > 0 {
             next.absent = false;
+            self.carried.insert((at.1, generation, at.2.clone()));
+        }
+        // An import stamps its generation only on what it writes.
+        if before.as_ref().is_some_and(|b| b.visible() == next.visible()) {
+            return Vec::new();
+        }
+        if generation > 0 {
             next.generation = generation;
         }
         self.records.insert(at.clone(), next.clone());
         let kind = match &before {
-            Some(b) if b.visible() == next.visible() => return Vec::new(),
             _ if next.deleted => ChangeKind::Deleted,
             Some(b) if !b.deleted => ChangeKind::Updated,
             _ => ChangeKind::Created,
@@ -1680,7 +1717,7 @@ proptest! {
     }
 
     #[test]
-    fn an_identical_reimport_writes_only_generations(
+    fn an_identical_reimport_writes_no_record_and_spares_all_it_carried(
         history in prop::collection::vec(any_op(), 0..24),
         items in any_import(false),
     ) {
@@ -1693,14 +1730,10 @@ proptest! {
 
         prop_assert!(reimport.outcome.changes.is_empty(), "{:#?}", reimport.outcome.changes);
         prop_assert_eq!(reimport.outcome.unchanged, items.len() as u64);
-        prop_assert!(reimport.slots.values().all(|s| !s.record_dirty));
+        prop_assert!(reimport.slots.values().all(|s| !s.record_dirty && !s.gen_dirty));
         prop_assert_eq!(&store.records, &stored.records);
-        for op in &items {
-            let (Op::Patch { at, .. } | Op::Save { at, .. }) = op else {
-                unreachable!("a full import only patches and saves");
-            };
-            prop_assert_eq!(store.gens.get(at).map(|e| e.generation), Some(next));
-        }
+        prop_assert_eq!(&store.gens, &stored.gens);
+        prop_assert_eq!(reimport.outcome.sweeps[0].marked_absent, 0);
     }
 
     #[test]
