@@ -9,7 +9,8 @@
 #   settings TOML     every settings file of compose/config and k8s/base/config against
 #                     shared/settings; each workload gets only the files it reads
 #   NATS              nats-server -t on compose/nats/nats.conf and on the config the NATS Helm
-#                     chart renders from k8s/nats/values*.yaml; both grant the same permissions;
+#                     chart renders from k8s/nats/values*.yaml (reproduced: no reachable registry
+#                     has the chart, docs/DEPLOY.md); both grant the same permissions;
 #                     both are loaded into a real nats-server and every user's publish/subscribe
 #                     rights are probed (allowed and denied subjects, allow_responses, bad logins);
 #                     stream size limits fit the JetStream storage limits
