@@ -68,6 +68,7 @@ function schemaErrors(Model, obj) {
 
 let ts;
 let checker;
+let scalarFlags; // TypeScript types a JSON object can never be
 const declared = new Map(); // "<version>/<Kind>" -> ts.Type of its interface
 
 /** Builds one TypeScript program over the declarations of every kind in `keys` ("v1/PodMonitor"). */
@@ -95,6 +96,8 @@ async function loadDeclarations(keys) {
   const problems = ts.getPreEmitDiagnostics(program).map((d) => ts.flattenDiagnosticMessageText(d.messageText, " "));
   if (problems.length) throw new Error(`the CRD declarations do not load: ${problems.join("; ")}`);
   checker = program.getTypeChecker();
+  scalarFlags = ts.TypeFlags.StringLike | ts.TypeFlags.NumberLike | ts.TypeFlags.BooleanLike |
+    ts.TypeFlags.BigIntLike | ts.TypeFlags.Undefined | ts.TypeFlags.Null | ts.TypeFlags.Void;
   const source = program.getSourceFile(file);
   const aliases = source.statements.filter((s) => ts.isTypeAliasDeclaration(s));
   keys.forEach((k, i) => {
@@ -103,17 +106,13 @@ async function loadDeclarations(keys) {
   });
 }
 
-const PRIMITIVE = () =>
-  ts.TypeFlags.StringLike | ts.TypeFlags.NumberLike | ts.TypeFlags.BooleanLike | ts.TypeFlags.BigIntLike |
-  ts.TypeFlags.Undefined | ts.TypeFlags.Null | ts.TypeFlags.Void;
-
 /** Fields of `value` that `type` does not declare, recursively (an open type accepts anything). */
 function unknownFields(value, type, where, out) {
   if (value === null || typeof value !== "object") return out; // types are the schema pass's job
   type = checker.getNonNullableType(type);
   if (type.flags & (ts.TypeFlags.Any | ts.TypeFlags.Unknown)) return out;
   if (type.isUnion()) {
-    const candidates = type.types.filter((t) => !(t.flags & PRIMITIVE()));
+    const candidates = type.types.filter((t) => !(t.flags & scalarFlags));
     if (candidates.length === 0) return out;
     // Several object shapes: the one the value fits best (none of them declared the field).
     const tries = candidates.map((t) => unknownFields(value, t, where, []));
