@@ -207,7 +207,7 @@ install_crdcheck() {
   mkdir -p "$dir"
   cp "$src/package.json" "$src/package-lock.json" "$dir/"
   log "npm ci (the Prometheus Operator's CRD schemas, $src/package-lock.json, into $dir)"
-  if ! (cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error \
+  if ! (cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund --no-update-notifier --loglevel=error \
       --cache "$VENV/npm-cache" >&2); then
     rm -f "$dir/package-lock.json"
     die "npm ci in $dir failed"
