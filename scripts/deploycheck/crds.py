@@ -1,56 +1,78 @@
-"""Prometheus Operator objects (PodMonitor, ServiceMonitor, PrometheusRule) against the
-operator's CRD schemas. kubernetes-validate knows only the built-in kinds; the schemas here come
-from the PyPI package cloudcoil-models-prometheus-operator (models generated from the
-operator's CRDs), made strict: an object property the CRD does not define is an error, as
-`kubectl apply --validate=strict` would make it."""
-import copy
+"""Prometheus Operator objects (PodMonitor, ServiceMonitor, PrometheusRule, ...) against the
+operator's own CRD schemas, strictly: an object field the CRD does not declare is an error, as
+`kubectl apply --validate=strict` makes it.
 
-KINDS = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+Why not kubernetes-validate: it validates only against the schemas it ships (Kubernetes' built-in
+kinds) and takes no CRD; an unknown kind is a warning there, not an error. Why npm: no registry
+reached here ships the operator's CRD YAML, but the npm package
+@kubernetes-models/prometheus-operator 5.0.1 was generated from the CRDs of operator release
+v0.90.1 (validators compiled from their openAPIV3Schema, and TypeScript declarations of it).
+crdcheck/check.mjs runs them under Node.js; `scripts/install-deps.sh --deploy-tools` installs
+them, pinned by crdcheck/package-lock.json, into the virtualenv's directory crdcheck/."""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+
+from .core import ROOT
+
+OPERATOR_VERSION = "v0.90.1"  # the CRDs the pinned npm package was generated from
+SCRIPT = pathlib.Path(__file__).resolve().parent / "crdcheck" / "check.mjs"
+PACKAGE = "@kubernetes-models/prometheus-operator"
+MIN_NODE = 18  # ES modules, structuredClone
 
 
-def _strict(node):
-    if isinstance(node, dict):
-        if "properties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-        for v in node.values():
-            _strict(v)
-    elif isinstance(node, list):
-        for v in node:
-            _strict(v)
-    return node
+def deps_dir():
+    """Where install-deps put the npm packages: CRDCHECK_DIR, else beside the virtualenv the
+    shell scripts use (SHELFSYNC_VENV, ${CARGO_TARGET_DIR:-target}/venv)."""
+    if os.environ.get("CRDCHECK_DIR"):
+        return pathlib.Path(os.environ["CRDCHECK_DIR"])
+    venv = os.environ.get("SHELFSYNC_VENV") or os.path.join(os.environ.get("CARGO_TARGET_DIR") or "target", "venv")
+    venv = pathlib.Path(venv)
+    return (venv if venv.is_absolute() else ROOT / venv) / "crdcheck"
 
 
-_SCHEMAS = {}
+def _node_major(node):
+    try:
+        out = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return int(out.strip().lstrip("v").split(".")[0])
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
-def schema(kind):
-    """The strict JSON schema of a kind, or None when the models are not installed."""
-    if kind not in _SCHEMAS:
-        try:
-            from cloudcoil.models.prometheus_operator import v1
-        except ImportError:
-            return None
-        model = getattr(v1, kind)
-        _SCHEMAS[kind] = _strict(copy.deepcopy(model.model_json_schema(by_alias=True, mode="validation")))
-    return _SCHEMAS[kind]
+def unavailable():
+    """Why the check cannot run here (None: it can)."""
+    node = shutil.which("node")
+    if not node:
+        return "no node (Node.js) on PATH (scripts/install-deps.sh --deploy-tools installs Debian's nodejs)"
+    major = _node_major(node)
+    if major is None or major < MIN_NODE:
+        return f"node {major} is older than {MIN_NODE}"
+    installed = deps_dir() / "node_modules" / PACKAGE / "package.json"
+    if not installed.is_file():
+        return f"{PACKAGE} is not installed in {deps_dir()} (scripts/install-deps.sh --deploy-tools)"
+    return None
 
 
 def available():
-    return schema("PrometheusRule") is not None
+    return unavailable() is None
+
+
+def _label(doc):
+    return f"{doc.get('kind')} {(doc.get('metadata') or {}).get('name')}"
+
+
+def errors(docs):
+    """Validation errors of each object, in order (an empty list: valid). One Node.js run for all."""
+    r = subprocess.run(["node", str(SCRIPT), str(deps_dir())], input=json.dumps(docs),
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"crdcheck/check.mjs failed: {r.stderr.strip() or r.stdout.strip()}")
+    results = json.loads(r.stdout)
+    return [[f"{_label(d)}: {e['path']}: {e['message'][:300]}" for e in found] for d, found in zip(docs, results)]
 
 
 def errors_of(doc):
     """Validation errors of one object (an empty list: valid)."""
-    import jsonschema
-
-    s = schema(doc.get("kind"))
-    if s is None:
-        return [f"{doc.get('kind')}: no schema"]
-    if doc.get("apiVersion") != "monitoring.coreos.com/v1":
-        return [f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}: apiVersion must be monitoring.coreos.com/v1"]
-    validator = jsonschema.Draft202012Validator(s)
-    out = []
-    for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):
-        where = ".".join(str(p) for p in e.absolute_path) or "(root)"
-        out.append(f"{doc['kind']} {doc.get('metadata', {}).get('name')}: {where}: {e.message[:300]}")
-    return out
+    return errors([doc])[0]

@@ -512,16 +512,26 @@ def check_k8s():
             r = run([kv, "--strict", "--quiet", "-k", version, str(rendered)])
             check(f"{overlay}: kubernetes-validate --strict -k {version} ({len(builtin)} objects)",
                   [] if r.returncode == 0 else [r.stdout + r.stderr])
-        if crds.available():
-            errors = [e for d in custom for e in crds.errors_of(d)]
-            kinds = sorted({d["kind"] for d in custom})
-            if not {"PodMonitor", "PrometheusRule"} <= set(kinds):
-                errors.append(f"expected PodMonitors and a PrometheusRule (k8s/components/prometheus-operator), got {kinds}")
-            check(f"{overlay}: Prometheus Operator objects against the operator's CRD schemas ({len(custom)}: {', '.join(kinds)})", errors)
-        else:
-            skip(f"{overlay}: Prometheus Operator objects", "cloudcoil-models-prometheus-operator is not installed")
+        check_operator_objects(overlay, custom)
         check(f"{overlay}: policy (Pod Security restricted, probes, resources, labels, secrets, network policies, "
               "config per workload, storage replicas, durability, stream limits)", k8s_policy(docs, overlay))
+
+
+def check_operator_objects(overlay, custom):
+    """The overlay's Prometheus Operator objects against the operator's CRD schemas (strict)."""
+    why = crds.unavailable()
+    if why:
+        skip(f"{overlay}: Prometheus Operator objects against the operator's CRD schemas", why)
+        return
+    kinds = sorted({d["kind"] for d in custom})
+    try:
+        errors = [e for found in crds.errors(custom) for e in found]
+    except RuntimeError as e:
+        errors = [str(e)]
+    if not {"PodMonitor", "PrometheusRule"} <= set(kinds):
+        errors.append(f"expected PodMonitors and a PrometheusRule (k8s/components/prometheus-operator), got {kinds}")
+    check(f"{overlay}: Prometheus Operator objects against the operator's {crds.OPERATOR_VERSION} CRD schemas, strict "
+          f"({len(custom)}: {', '.join(kinds)})", errors)
 
 
 def latest_k8s():
