@@ -53,8 +53,8 @@ pub use crate::metrics::{
     install_metrics, names, render_metrics, render_metrics_after, seconds_since_us, set_build_info,
 };
 pub use crate::propagation::{
-    TRACEPARENT, TRACESTATE, add_links, context_of, current_context, extract, extract_opt,
-    from_parts, inject, inject_context, is_valid, parts, set_parent,
+    BAGGAGE, Parts, TRACEPARENT, TRACESTATE, add_links, baggage_value, context_of, current_context,
+    extract, extract_opt, from_parts, inject, inject_context, is_valid, parts, set_parent,
 };
 pub use opentelemetry::Context;
 #[doc(hidden)]
@@ -324,7 +324,7 @@ mod tests {
         inject(&mut headers);
         let tp = headers.get(TRACEPARENT).map(|v| v.as_str().to_string()).expect("traceparent");
         assert!(tp.starts_with("00-") && tp.ends_with("-01"), "{tp}");
-        assert_eq!(parts(&extract(&headers)).0, tp);
+        assert_eq!(parts(&extract(&headers)).traceparent, tp);
         guard.flush();
         drop(guard);
     }
