@@ -23,6 +23,8 @@ use tokio::sync::oneshot;
 
 pub use shelfsync_testkit::{eventually, settings_env};
 
+pub mod otlp;
+
 /// How long a test waits for the pipeline to settle.
 pub const SETTLE: Duration = Duration::from_secs(30);
 
@@ -1005,4 +1007,46 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
     ]);
     let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
     (dir, ca, cert, key)
+}
+
+/// A client certificate (`CN=shelfsync test client`, for TLS client
+/// authentication) signed by the CA that [`test_certificates`] made in
+/// `dir`: `(client.pem, client-key.pem)`.
+pub fn test_client_certificate(dir: &std::path::Path) -> (String, String) {
+    let p = |f: &str| dir.join(f).display().to_string();
+    let run = |args: &[&str]| {
+        let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
+        assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
+    };
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=shelfsync test client",
+        "-keyout",
+        &p("client-key.pem"),
+        "-out",
+        &p("client.csr"),
+    ]);
+    std::fs::write(p("client.cnf"), "extendedKeyUsage=clientAuth\n").expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &p("client.csr"),
+        "-CA",
+        &p("ca.pem"),
+        "-CAkey",
+        &p("ca-key.pem"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &p("client.cnf"),
+        "-out",
+        &p("client.pem"),
+    ]);
+    (p("client.pem"), p("client-key.pem"))
 }

@@ -7,19 +7,31 @@
 //! `process <cmd template>` (storage) → `send <changes template>` (storage
 //! relay) → `process <changes template>` (feed), named after destination
 //! templates with the concrete subject in `messaging.destination.name`.
+//! The client's W3C `baggage` goes the same way: through the command
+//! message and storage's outbox onto the change message's headers, and
+//! into the context the consumer's handler runs in.
 //! The same ingest serves `/metrics` with the build info, the process
 //! metrics and the HTTP metrics of that push.
 //!
-//! The tracing subscriber is global and can be set once per process: this
-//! file is its own test binary with a single test.
+//! The baggage is kept with the outbox entry itself, not only by the
+//! command being handled: a second test commits a command's changes, kills
+//! storage before it publishes them, and finds the command's trace and
+//! baggage on the change a new storage relays at its start.
+//!
+//! The tracing subscriber is global and can be set once per process: only
+//! the first test installs it (the second one's storages are processes of
+//! their own).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::message::PublishMessage;
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+use prost::Message;
 use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, Handler, HandlerError, Update};
 use shelfsync_ingest::App;
+use shelfsync_proto::{CommandBatch, msg_type};
 use shelfsync_settings::{ImportKind, LogFormat, PartnerSettings, TelemetrySettings};
 use shelfsync_telemetry::Options;
 use shelfsync_testkit::TestEnv;
@@ -35,13 +47,22 @@ const TOKEN: &str = "traced-0123456789abcdef";
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 const PUSH_ROUTE: &str = "/v1/partners/{name}/feed";
+/// The client's baggage, as its `baggage` header says.
+const CLIENT_BAGGAGE: &str = "tenant=acme,shelfsync.test=baggage";
 
-/// Counts what the feed delivers.
-struct Counting(Arc<AtomicUsize>);
+/// Counts what the feed delivers, and notes the `tenant` baggage of the
+/// context each delivery is handled in.
+struct Counting {
+    delivered: Arc<AtomicUsize>,
+    tenants: Arc<Mutex<Vec<Option<String>>>>,
+}
 
 impl Handler for Counting {
     async fn apply(&mut self, updates: &[Update]) -> Result<(), HandlerError> {
-        self.0.fetch_add(updates.len(), Ordering::SeqCst);
+        self.delivered.fetch_add(updates.len(), Ordering::SeqCst);
+        let cx = shelfsync_telemetry::current_context();
+        let tenant = shelfsync_telemetry::baggage_value(&cx, "tenant");
+        self.tenants.lock().expect("tenants").push(tenant);
         Ok(())
     }
 
@@ -138,7 +159,8 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     let status = feed.status();
     let delivered = Arc::new(AtomicUsize::new(0));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut handler = Counting(delivered.clone());
+    let tenants = Arc::new(Mutex::new(Vec::new()));
+    let mut handler = Counting { delivered: delivered.clone(), tenants: tenants.clone() };
     let consumer = tokio::spawn(async move {
         feed.run(&mut handler, async move {
             let _ = stop_rx.await;
@@ -171,6 +193,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
         .post(format!("http://{ingest_addr}/v1/partners/{PARTNER}/feed"))
         .bearer_auth(TOKEN)
         .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
+        .header("baggage", CLIENT_BAGGAGE)
         .body(lines)
         .send()
         .await
@@ -255,6 +278,23 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
         assert_eq!(count, None, "{} counts records as messages", s.name);
     }
 
+    // The client's baggage is on the change message storage published
+    // (through the command message and the outbox entry), and in the
+    // context the consumer's handler ran in.
+    let changes_stream = h.js.get_stream(h.subjects.changes_stream()).await.expect("CHANGES");
+    let change_msg =
+        changes_stream.get_last_raw_message_by_subject(&changes).await.expect("the change");
+    let baggage = change_msg.headers.get(shelfsync_telemetry::BAGGAGE).map(|v| v.to_string());
+    assert_eq!(
+        baggage_entries(baggage.as_deref()),
+        ["shelfsync.test=baggage", "tenant=acme"],
+        "{:?}",
+        change_msg.headers
+    );
+    let tenants = tenants.lock().expect("tenants").clone();
+    assert!(!tenants.is_empty());
+    assert!(tenants.iter().all(|t| t.as_deref() == Some("acme")), "{tenants:?}");
+
     // The same work in the ingest's Prometheus metrics (the recorder is
     // process-wide: storage's and the feed's are there too).
     let (code, metrics) = http_get(ingest_addr, "/metrics").await.expect("/metrics");
@@ -292,4 +332,60 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     consumer.await.expect("feed task").expect("feed");
     storage.stop().await.expect("storage stop");
     drop(telemetry);
+}
+
+/// The baggage entries of a header value, sorted.
+fn baggage_entries(value: Option<&str>) -> Vec<String> {
+    let mut entries: Vec<String> =
+        value.unwrap_or_default().split(',').map(|e| e.trim().to_string()).collect();
+    entries.sort();
+    entries
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commands_baggage_outlives_a_crash_between_commit_and_relay() {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = settings_for(&env);
+    settings.storage.keyframe_schedule = String::new();
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let p = h.partition(BRAND, PLACE);
+    let batch = CommandBatch {
+        partition: p.0,
+        commands: vec![patch(BRAND, PLACE, "kept", &product("k", 1, 1), 0)],
+        ..Default::default()
+    };
+    let command = PublishMessage::build()
+        .payload(batch.encode_to_vec().into())
+        .message_id("baggage-test:1")
+        .header(shelfsync_bus::TYPE_HEADER, msg_type::COMMAND_BATCH)
+        .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
+        .header("baggage", CLIENT_BAGGAGE);
+    h.js.send_publish(h.subjects.cmd(p), command).await.expect("publish").await.expect("ack");
+
+    // The change is committed to the outbox, then storage dies before it
+    // publishes it.
+    let mut crashed = StorageProcess::start(&settings, &[("SHELFSYNC_FAILPOINT", "after_commit")])
+        .expect("storage");
+    let status = crashed.wait_exit(SETTLE).await.expect("the failpoint");
+    assert!(!status.success(), "{status:?}");
+    assert_eq!(h.store.outbox_len(p.0).await.expect("outbox"), 1, "the entry waits");
+
+    // Another storage relays it at its start, outside any command's span:
+    // what it publishes comes from the entry alone.
+    let _storage = StorageProcess::start(&settings, &[]).expect("storage");
+    h.wait_settled().await;
+    let changes = h.js.get_stream(h.subjects.changes_stream()).await.expect("CHANGES");
+    let change = changes
+        .get_last_raw_message_by_subject(&h.subjects.changes(BRAND, PLACE))
+        .await
+        .expect("the change");
+    let header = |name: &str| change.headers.get(name).map(|v| v.to_string());
+    let traceparent = header(shelfsync_telemetry::TRACEPARENT).unwrap_or_default();
+    assert!(traceparent.contains(CLIENT_TRACE), "{:?}", change.headers);
+    assert_eq!(
+        baggage_entries(header(shelfsync_telemetry::BAGGAGE).as_deref()),
+        baggage_entries(Some(CLIENT_BAGGAGE)),
+        "{:?}",
+        change.headers
+    );
 }

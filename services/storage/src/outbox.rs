@@ -17,12 +17,8 @@ const REDUCED_RAW: usize = 1024;
 /// Detail a reduced rejection keeps.
 const REDUCED_DETAIL: usize = 1024;
 
-/// W3C trace context kept with outbox entries.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct TraceParts {
-    pub traceparent: String,
-    pub tracestate: String,
-}
+/// W3C trace context and baggage kept with outbox entries.
+pub(crate) type TraceParts = shelfsync_telemetry::Parts;
 
 /// Where the entries of one commit go and how they are named.
 pub(crate) struct Outbox<'a> {
@@ -110,6 +106,7 @@ impl Outbox<'_> {
             msg_type: kind.into(),
             traceparent: self.trace.traceparent.clone(),
             tracestate: self.trace.tracestate.clone(),
+            baggage: self.trace.baggage.clone(),
             stream_floor: floor,
         }
     }
@@ -320,5 +317,66 @@ mod tests {
         let one = ChangeBatch::decode(reduced[0].payload.as_slice()).expect("batch");
         assert!(one.changes[0].before_omitted);
         assert!(smaller(&reduced[0]).is_none(), "nothing smaller is left");
+    }
+
+    /// `OutboxEntry` as the previous version wrote it: no `baggage`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct PreviousOutboxEntry {
+        #[prost(string, tag = "1")]
+        subject: String,
+        #[prost(string, tag = "2")]
+        msg_id: String,
+        #[prost(bytes = "vec", tag = "3")]
+        payload: Vec<u8>,
+        #[prost(string, tag = "4")]
+        msg_type: String,
+        #[prost(string, tag = "5")]
+        traceparent: String,
+        #[prost(string, tag = "6")]
+        tracestate: String,
+        #[prost(uint64, tag = "7")]
+        stream_floor: u64,
+    }
+
+    #[test]
+    fn entries_keep_the_baggage_and_old_entries_still_decode() {
+        let subjects = Subjects::new("t");
+        let trace = TraceParts {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: String::new(),
+            baggage: "tenant=acme".into(),
+        };
+        let o = Outbox {
+            partition: Partition(0),
+            subjects: &subjects,
+            max_bytes: 1 << 20,
+            floors: (3, 4),
+            trace: &trace,
+        };
+        let (e, _) = o.entries(1, "1", 0, vec![change("a", 10)], vec![]);
+        assert_eq!(
+            (e[0].traceparent.as_str(), e[0].baggage.as_str()),
+            (trace.traceparent.as_str(), "tenant=acme")
+        );
+        // Pieces of a refused entry keep it too.
+        let (two, _) = o.entries(1, "1", 0, vec![change("a", 10), change("b", 10)], vec![]);
+        assert!(smaller(&two[0]).expect("halves").iter().all(|p| p.baggage == "tenant=acme"));
+
+        // Written by the previous version: decodes, without baggage.
+        let previous = PreviousOutboxEntry {
+            subject: e[0].subject.clone(),
+            msg_id: e[0].msg_id.clone(),
+            payload: e[0].payload.clone(),
+            msg_type: e[0].msg_type.clone(),
+            traceparent: e[0].traceparent.clone(),
+            tracestate: String::new(),
+            stream_floor: 3,
+        };
+        let read = OutboxEntry::decode(previous.encode_to_vec().as_slice()).expect("an old entry");
+        assert_eq!(read, OutboxEntry { baggage: String::new(), ..e[0].clone() });
+        // And the previous version reads a new entry, the baggage left out.
+        let back =
+            PreviousOutboxEntry::decode(e[0].encode_to_vec().as_slice()).expect("a new entry");
+        assert_eq!(back, previous);
     }
 }

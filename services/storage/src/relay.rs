@@ -154,10 +154,7 @@ impl Relay {
             } else {
                 HashSet::new()
             };
-            let contexts: Vec<_> = entries
-                .iter()
-                .map(|e| shelfsync_telemetry::from_parts(&e.traceparent, &e.tracestate))
-                .collect();
+            let contexts: Vec<_> = entries.iter().map(context_of).collect();
             // Relaying entries of several command messages: link them all.
             shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
             let mut again = 0u64;
@@ -329,8 +326,20 @@ impl Relay {
     }
 }
 
+/// The context an entry keeps: its command's trace and baggage (an entry
+/// written before baggage was kept has none; its trace goes on).
+fn context_of(e: &OutboxEntry) -> shelfsync_telemetry::Context {
+    shelfsync_telemetry::from_parts(&shelfsync_telemetry::Parts {
+        traceparent: e.traceparent.clone(),
+        tracestate: e.tracestate.clone(),
+        baggage: e.baggage.clone(),
+    })
+}
+
 /// Headers of a relayed entry: `None` lets the publisher inject the relay
-/// span's context; without tracing the stored context is passed on as is.
+/// span's context — its parent is the entry's, baggage included, which the
+/// propagator writes when `OTEL_PROPAGATORS` has `baggage`; without tracing
+/// the stored context is passed on as is.
 fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::HeaderMap> {
     if e.traceparent.is_empty()
         || shelfsync_telemetry::is_valid(&shelfsync_telemetry::context_of(span))
@@ -339,8 +348,12 @@ fn relay_headers(span: &tracing::Span, e: &OutboxEntry) -> Option<async_nats::He
     }
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(shelfsync_telemetry::TRACEPARENT, e.traceparent.as_str());
-    if !e.tracestate.is_empty() {
-        headers.insert(shelfsync_telemetry::TRACESTATE, e.tracestate.as_str());
+    let kept = [
+        (shelfsync_telemetry::TRACESTATE, &e.tracestate),
+        (shelfsync_telemetry::BAGGAGE, &e.baggage),
+    ];
+    for (name, value) in kept.into_iter().filter(|(_, v)| !v.is_empty()) {
+        headers.insert(name, value.as_str());
     }
     Some(headers)
 }

@@ -1094,15 +1094,15 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-/// The trace context to keep with the outbox entries of `msg`: the current
-/// (apply) span's, or — tracing not installed — the message's own.
+/// The trace context and baggage to keep with the outbox entries of `msg`:
+/// the current (apply) span's, or — tracing not installed — the message's
+/// own.
 fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
     let mut cx = shelfsync_telemetry::current_context();
     if !shelfsync_telemetry::is_valid(&cx) {
         cx = shelfsync_telemetry::extract_opt(msg.headers.as_ref());
     }
-    let (traceparent, tracestate) = shelfsync_telemetry::parts(&cx);
-    TraceParts { traceparent, tracestate }
+    shelfsync_telemetry::parts(&cx)
 }
 
 /// When the oldest command of `batches` was published, microseconds since

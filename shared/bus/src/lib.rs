@@ -25,11 +25,12 @@ pub use batch::{CommandBatcher, batch_overhead};
 pub use publish::{Failure, PublishFailed, Publisher};
 pub use subjects::{Partition, Subjects, partition_of, token};
 
-/// W3C trace context in message headers (re-exported from
+/// W3C trace context and baggage in message headers (re-exported from
 /// `shelfsync_telemetry`): [`Publisher`] injects it, consumers extract it.
 pub mod trace {
     pub use shelfsync_telemetry::{
-        TRACEPARENT, TRACESTATE, extract, extract_opt, from_parts, inject, inject_context, parts,
+        BAGGAGE, Parts, TRACEPARENT, TRACESTATE, extract, extract_opt, from_parts, inject,
+        inject_context, parts,
     };
 }
 

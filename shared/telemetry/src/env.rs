@@ -4,6 +4,9 @@
 //! subscriber is installed, and the specification's default is used (the
 //! SDK configuration rule: an invalid value behaves as if it were unset).
 
+use std::path::PathBuf;
+use std::time::Duration;
+
 use opentelemetry::propagation::{TextMapCompositePropagator, TextMapPropagator};
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 use opentelemetry_sdk::trace::Sampler;
@@ -27,6 +30,35 @@ pub enum Propagator {
     Baggage,
 }
 
+/// A file named by an `OTEL_*` variable, with the variable that named it
+/// (errors about the file say both).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileVar {
+    pub var: String,
+    pub path: PathBuf,
+}
+
+/// The TLS files of an `https` endpoint, each from the traces variable
+/// (`OTEL_EXPORTER_OTLP_TRACES_...`) or else the general one. Read and
+/// checked by `init` (a file that cannot be used stops the start).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// PEM CA certificate(s) trusted besides the system's roots
+    /// (`..._CERTIFICATE`).
+    pub certificate: Option<FileVar>,
+    /// PEM client certificate chain for mTLS (`..._CLIENT_CERTIFICATE`).
+    pub client_certificate: Option<FileVar>,
+    /// PEM private key of the client certificate (`..._CLIENT_KEY`).
+    pub client_key: Option<FileVar>,
+}
+
+impl TlsFiles {
+    /// True when any file is named.
+    pub fn any(&self) -> bool {
+        self.certificate.is_some() || self.client_certificate.is_some() || self.client_key.is_some()
+    }
+}
+
 /// Where traces go and how they are sampled and propagated;
 /// [`Options::from_env`] reads the standard variables.
 #[derive(Debug, Clone)]
@@ -38,6 +70,12 @@ pub struct Options {
     pub sampler: Sampler,
     /// In order; empty: nothing is injected or extracted.
     pub propagators: Vec<Propagator>,
+    /// CA and client certificate of an `https` endpoint.
+    pub tls: TlsFiles,
+    /// How long one export request may take (`OTEL_EXPORTER_OTLP_TIMEOUT`,
+    /// milliseconds), for the HTTP client built here when there are TLS
+    /// files; the SDK reads the same variables for everything else.
+    pub export_timeout: Duration,
     /// Variables set to what cannot be honoured, and what is done instead.
     pub problems: Vec<String>,
 }
@@ -50,6 +88,8 @@ impl Default for Options {
             protocol: Protocol::default(),
             sampler: Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
             propagators: vec![Propagator::TraceContext, Propagator::Baggage],
+            tls: TlsFiles::default(),
+            export_timeout: opentelemetry_otlp::OTEL_EXPORTER_OTLP_TIMEOUT_DEFAULT,
             problems: Vec::new(),
         }
     }
@@ -72,7 +112,9 @@ impl Options {
     /// - protocol: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
     ///   `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc` or `http/protobuf`;
     /// - `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`;
-    /// - `OTEL_PROPAGATORS`: `tracecontext`, `baggage`, `none`.
+    /// - `OTEL_PROPAGATORS`: `tracecontext`, `baggage`, `none`;
+    /// - `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE`, `_CLIENT_CERTIFICATE`,
+    ///   `_CLIENT_KEY` (paths) and `OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let var = |k: &str| var(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
         let mut opts = Options::default();
@@ -85,16 +127,16 @@ impl Options {
         if let Some(list) = var("OTEL_PROPAGATORS") {
             opts.propagators = propagators(&list, problems);
         }
-        for certificate in
-            ["OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"]
-        {
-            if var(certificate).is_some() {
-                problems.push(format!(
-                    "{certificate} is not supported: https endpoints are checked against the \
-                     system's trust store (add a private CA there)"
-                ));
-            }
-        }
+        let file = |setting: &str| {
+            first_set(&var, traces_then_general(setting))
+                .map(|(var, path)| FileVar { var, path: path.into() })
+        };
+        opts.tls = TlsFiles {
+            certificate: file("CERTIFICATE"),
+            client_certificate: file("CLIENT_CERTIFICATE"),
+            client_key: file("CLIENT_KEY"),
+        };
+        opts.export_timeout = export_timeout(&var, problems);
         let exporter = var("OTEL_TRACES_EXPORTER");
         if let Some(e) = exporter.as_deref().filter(|e| !matches!(*e, "otlp" | "none")) {
             problems.push(format!("OTEL_TRACES_EXPORTER={e:?} is not supported: otlp is used"));
@@ -128,7 +170,25 @@ impl Options {
             })
         });
         opts.otlp_endpoint = endpoint.filter(|_| !disabled);
+        if let Some(endpoint) = &opts.otlp_endpoint
+            && !is_https(endpoint)
+            && opts.tls.any()
+        {
+            let vars = opts.tls_vars().join(", ");
+            opts.problems
+                .push(format!("{vars} set, but {endpoint} is not an https endpoint: not used"));
+        }
         opts
+    }
+
+    /// The variables that named the TLS files, in a fixed order.
+    pub(crate) fn tls_vars(&self) -> Vec<&str> {
+        let t = &self.tls;
+        [&t.certificate, &t.client_certificate, &t.client_key]
+            .into_iter()
+            .flatten()
+            .map(|f| f.var.as_str())
+            .collect()
     }
 
     /// The propagator `OTEL_PROPAGATORS` asked for, composed in its order.
@@ -144,6 +204,44 @@ impl Options {
             })
             .collect();
         TextMapCompositePropagator::new(parts)
+    }
+}
+
+/// True when `endpoint` is an `https` URL (TLS is used).
+pub(crate) fn is_https(endpoint: &str) -> bool {
+    endpoint.get(..8).is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"))
+}
+
+/// The variable of one exporter setting (`CERTIFICATE`) for traces, then
+/// the general one: the first set wins, as the specification says.
+fn traces_then_general(setting: &str) -> [String; 2] {
+    [format!("OTEL_EXPORTER_OTLP_TRACES_{setting}"), format!("OTEL_EXPORTER_OTLP_{setting}")]
+}
+
+/// The first of `names` that is set, with its value.
+fn first_set(
+    var: &impl Fn(&str) -> Option<String>,
+    names: [String; 2],
+) -> Option<(String, String)> {
+    names.into_iter().find_map(|name| var(&name).map(|value| (name, value)))
+}
+
+/// `OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT` in milliseconds; the default (10 s)
+/// when unset or not a number.
+fn export_timeout(var: &impl Fn(&str) -> Option<String>, problems: &mut Vec<String>) -> Duration {
+    let default = opentelemetry_otlp::OTEL_EXPORTER_OTLP_TIMEOUT_DEFAULT;
+    let Some((name, value)) = first_set(var, traces_then_general("TIMEOUT")) else {
+        return default;
+    };
+    match value.parse::<u64>() {
+        Ok(ms) => Duration::from_millis(ms),
+        Err(_) => {
+            problems.push(format!(
+                "{name}={value:?} is not a number of milliseconds: {} ms is used",
+                default.as_millis()
+            ));
+            default
+        }
     }
 }
 
@@ -326,5 +424,54 @@ mod tests {
             from(&[]).text_map_propagator().fields().map(String::from).collect();
         fields.sort();
         assert_eq!(fields, ["baggage", "traceparent", "tracestate"]);
+    }
+
+    #[test]
+    fn tls_files_come_from_the_traces_variables_first() {
+        let o = from(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4317"),
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/general-ca.pem"),
+            ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "/etc/traces-ca.pem"),
+            ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/etc/client.pem"),
+            ("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "/etc/client.key"),
+        ]);
+        let file = |var: &str, path: &str| Some(FileVar { var: var.into(), path: path.into() });
+        assert_eq!(
+            o.tls,
+            TlsFiles {
+                certificate: file("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "/etc/traces-ca.pem"),
+                client_certificate: file(
+                    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+                    "/etc/client.pem"
+                ),
+                client_key: file("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "/etc/client.key"),
+            }
+        );
+        assert!(o.problems.is_empty(), "{:?}", o.problems);
+        assert!(!from(&[]).tls.any());
+    }
+
+    #[test]
+    fn tls_files_for_a_plain_endpoint_are_reported_unused() {
+        let o = from(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/ca.pem"),
+        ]);
+        assert_eq!(o.problems.len(), 1, "{:?}", o.problems);
+        assert!(o.problems[0].contains("OTEL_EXPORTER_OTLP_CERTIFICATE"), "{:?}", o.problems);
+        assert!(o.problems[0].contains("not an https endpoint"), "{:?}", o.problems);
+    }
+
+    #[test]
+    fn export_timeout_in_milliseconds_traces_first() {
+        assert_eq!(from(&[]).export_timeout, Duration::from_secs(10));
+        let o = from(&[
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
+            ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "700"),
+        ]);
+        assert_eq!(o.export_timeout, Duration::from_millis(700));
+        let o = from(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "5s")]);
+        assert_eq!(o.export_timeout, Duration::from_secs(10));
+        assert!(o.problems[0].contains("OTEL_EXPORTER_OTLP_TIMEOUT=\"5s\""), "{:?}", o.problems);
     }
 }

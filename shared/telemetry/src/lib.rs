@@ -9,10 +9,13 @@
 //!   dropped. Without an endpoint spans still get ids (so context propagates
 //!   and logs carry trace ids) but nothing is exported: no exporter, no
 //!   background thread, no retries. The variables read here are listed in
-//!   [`Options::from_vars`] (protocol, sampler, propagators); the SDK itself
+//!   [`Options::from_vars`] (protocol, sampler, propagators, the CA and
+//!   client certificate of an `https` endpoint); the SDK itself
 //!   honours `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
 //!   `OTEL_EXPORTER_OTLP_TIMEOUT` / `_HEADERS` / `_COMPRESSION` and
-//!   `OTEL_BSP_*`. What cannot be honoured is logged as a warning at start.
+//!   `OTEL_BSP_*`. What cannot be honoured is logged as a warning at start;
+//!   a TLS file that cannot be used is an error (the service does not
+//!   start); exports that fail are logged as they happen.
 //! - [`inject`] / [`extract`]: trace context in NATS headers
 //!   (`shelfsync_bus::Publisher` injects automatically).
 //! - [`send_span!`] / [`process_span!`]: producer and consumer spans after
@@ -23,17 +26,16 @@
 #![forbid(unsafe_code)]
 
 mod env;
+mod export;
 mod http;
 mod json;
 mod metrics;
 mod propagation;
+mod tls;
 
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::WithExportConfig;
-use opentelemetry_otlp::WithTonicConfig;
-use opentelemetry_otlp::tonic_types::transport::ClientTlsConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use shelfsync_settings::{LogFormat, TelemetrySettings};
@@ -42,14 +44,17 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-pub use crate::env::{Options, Propagator, Protocol};
+use crate::export::{Reported, span_exporter};
+use crate::tls::ExportTls;
+
+pub use crate::env::{FileVar, Options, Propagator, Protocol, TlsFiles};
 pub use crate::http::{UNMATCHED, instrument};
 pub use crate::metrics::{
     install_metrics, names, render_metrics, render_metrics_after, seconds_since_us, set_build_info,
 };
 pub use crate::propagation::{
-    TRACEPARENT, TRACESTATE, add_links, context_of, current_context, extract, extract_opt,
-    from_parts, inject, inject_context, is_valid, parts, set_parent,
+    BAGGAGE, Parts, TRACEPARENT, TRACESTATE, add_links, baggage_value, context_of, current_context,
+    extract, extract_opt, from_parts, inject, inject_context, is_valid, parts, set_parent,
 };
 pub use opentelemetry::Context;
 #[doc(hidden)]
@@ -120,7 +125,8 @@ pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyho
         .or_else(|_| EnvFilter::try_new(&cfg.log_level))
         .map_err(|e| anyhow::anyhow!("invalid telemetry.log_level {:?}: {e}", cfg.log_level))?;
     let service = service_name(service);
-    let (provider, exporting, problem) = tracer_provider(&service, &opts);
+    let tls = export_tls(&opts)?;
+    let (provider, exporting, problem) = tracer_provider(&service, &opts, &tls);
     let fmt_layer = match cfg.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_target(false)
@@ -163,6 +169,17 @@ pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyho
     Ok(Guard { provider: exporting.then_some(provider) })
 }
 
+/// The TLS files of an `https` endpoint, read and checked: one that
+/// cannot be used is an error (the service does not start), naming the
+/// variable and the path. Nothing is read for a plain `http` endpoint or
+/// without export.
+fn export_tls(opts: &Options) -> anyhow::Result<ExportTls> {
+    match &opts.otlp_endpoint {
+        Some(endpoint) if env::is_https(endpoint) => ExportTls::load(&opts.tls),
+        _ => Ok(ExportTls::default()),
+    }
+}
+
 /// `OTEL_SERVICE_NAME` when set, else the binary's own name: the
 /// resource's `service.name` and the `service` label of the build info.
 fn service_name(default: &str) -> String {
@@ -177,7 +194,11 @@ fn service_name(default: &str) -> String {
 /// exporter when an endpoint is set and a runtime is there to drive it,
 /// else one that records span ids only. The second value says whether it
 /// exports, the third why not when it was asked to.
-fn tracer_provider(service: &str, opts: &Options) -> (SdkTracerProvider, bool, Option<String>) {
+fn tracer_provider(
+    service: &str,
+    opts: &Options,
+    tls: &ExportTls,
+) -> (SdkTracerProvider, bool, Option<String>) {
     let resource = Resource::builder().with_service_name(service.to_string()).build();
     let builder =
         SdkTracerProvider::builder().with_resource(resource).with_sampler(opts.sampler.clone());
@@ -191,42 +212,17 @@ fn tracer_provider(service: &str, opts: &Options) -> (SdkTracerProvider, bool, O
             .to_string();
         return (builder.build(), false, Some(problem));
     }
-    match span_exporter(opts.protocol, endpoint) {
-        Ok(exporter) => (builder.with_batch_exporter(exporter).build(), true, None),
+    match span_exporter(opts.protocol, endpoint, tls, opts.export_timeout) {
+        Ok(exporter) => {
+            let exporter = Reported::new(exporter, endpoint);
+            (builder.with_batch_exporter(exporter).build(), true, None)
+        }
         Err(e) => {
             let problem = format!(
-                "OTLP exporter ({:?}) for {endpoint}: {e}: traces are not exported",
+                "OTLP exporter ({:?}) for {endpoint}: {e:#}: traces are not exported",
                 opts.protocol
             );
             (builder.build(), false, Some(problem))
-        }
-    }
-}
-
-/// The OTLP exporter of `protocol` sending to `endpoint`. An `https`
-/// endpoint is verified against the system's trust store (rustls, ring).
-fn span_exporter(
-    protocol: Protocol,
-    endpoint: &str,
-) -> Result<opentelemetry_otlp::SpanExporter, opentelemetry_otlp::ExporterBuildError> {
-    let https = endpoint.starts_with("https://");
-    match protocol {
-        Protocol::Grpc => {
-            let mut builder =
-                opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(endpoint);
-            if https {
-                builder = builder.with_tls_config(ClientTlsConfig::new().with_enabled_roots());
-            }
-            builder.build()
-        }
-        Protocol::HttpProtobuf => {
-            // The HTTP client's TLS takes the process's crypto provider.
-            let _ = rustls::crypto::ring::default_provider().install_default();
-            opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_endpoint(endpoint)
-                .build()
         }
     }
 }
@@ -328,47 +324,8 @@ mod tests {
         inject(&mut headers);
         let tp = headers.get(TRACEPARENT).map(|v| v.as_str().to_string()).expect("traceparent");
         assert!(tp.starts_with("00-") && tp.ends_with("-01"), "{tp}");
-        assert_eq!(parts(&extract(&headers)).0, tp);
+        assert_eq!(parts(&extract(&headers)).traceparent, tp);
         guard.flush();
         drop(guard);
-    }
-
-    /// `http/protobuf` really goes out as `POST /v1/traces` with a protobuf
-    /// body (the span's name is a plain string in it).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn http_protobuf_posts_spans_to_v1_traces() {
-        use opentelemetry::trace::{Tracer as _, TracerProvider as _};
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let receiver = axum::Router::new().route(
-            "/v1/traces",
-            axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
-                let kind =
-                    headers.get("content-type").and_then(|v| v.to_str().ok()).map(String::from);
-                let _ = tx.send((kind, body));
-                async { "" }
-            }),
-        );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let endpoint = format!("http://{}/v1/traces", listener.local_addr().expect("addr"));
-        tokio::spawn(async move { axum::serve(listener, receiver).await });
-        let exporter = span_exporter(Protocol::HttpProtobuf, &endpoint).expect("exporter");
-        let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).build();
-        provider.tracer("unit").in_span("unit.http-export", |_| {});
-        // The blocking client must not hold a runtime thread.
-        let flushed = tokio::task::spawn_blocking(move || provider.force_flush()).await;
-        assert!(matches!(flushed, Ok(Ok(()))), "{flushed:?}");
-        let (kind, body) = rx.recv().await.expect("a POST");
-        assert_eq!(kind.as_deref(), Some("application/x-protobuf"));
-        assert!(body.windows(16).any(|w| w == b"unit.http-export"), "{body:?}");
-    }
-
-    /// An `https` endpoint needs the TLS features: without them the
-    /// exporter refuses to build.
-    #[tokio::test]
-    async fn https_endpoints_build_for_both_protocols() {
-        for protocol in [Protocol::Grpc, Protocol::HttpProtobuf] {
-            let built = span_exporter(protocol, "https://collector.invalid:4317");
-            assert!(built.is_ok(), "{protocol:?}: {:?}", built.err());
-        }
     }
 }

@@ -5,13 +5,15 @@
 //!
 //! [`inject`] writes the context of the current span into a header map,
 //! [`extract`] reads one back; [`parts`] / [`from_parts`] do the same for
-//! contexts kept elsewhere (storage's outbox entries keep `traceparent` and
-//! `tracestate` only). Without `init` (tests that never call it) there is
-//! no OpenTelemetry layer and no propagator: nothing is injected or
-//! extracted.
+//! contexts kept elsewhere ([`Parts`]: storage's outbox entries keep the
+//! `traceparent`, `tracestate` and `baggage` of the command that caused
+//! them, so that the change messages carry all three). Without `init`
+//! (tests that never call it) there is no OpenTelemetry layer and no
+//! propagator: nothing is injected or extracted.
 
 use async_nats::HeaderMap;
 use opentelemetry::Context;
+use opentelemetry::baggage::BaggageExt;
 use opentelemetry::global;
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TraceContextExt;
@@ -20,6 +22,18 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 /// Header names of the W3C trace context.
 pub const TRACEPARENT: &str = "traceparent";
 pub const TRACESTATE: &str = "tracestate";
+/// Header name of W3C baggage.
+pub const BAGGAGE: &str = "baggage";
+
+/// A context written as its header values, to be kept where headers are
+/// not (an outbox entry); an empty string is a header the propagator did
+/// not write.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Parts {
+    pub traceparent: String,
+    pub tracestate: String,
+    pub baggage: String,
+}
 
 struct HeaderInjector<'a>(&'a mut HeaderMap);
 
@@ -41,35 +55,32 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-struct PartsExtractor<'a> {
-    traceparent: &'a str,
-    tracestate: &'a str,
-}
+struct PartsExtractor<'a>(&'a Parts);
 
 impl Extractor for PartsExtractor<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        match key {
-            TRACEPARENT if !self.traceparent.is_empty() => Some(self.traceparent),
-            TRACESTATE if !self.tracestate.is_empty() => Some(self.tracestate),
-            _ => None,
-        }
+        let value = match key {
+            TRACEPARENT => &self.0.traceparent,
+            TRACESTATE => &self.0.tracestate,
+            BAGGAGE => &self.0.baggage,
+            _ => return None,
+        };
+        Some(value.as_str()).filter(|v| !v.is_empty())
     }
 
     fn keys(&self) -> Vec<&str> {
-        vec![TRACEPARENT, TRACESTATE]
+        vec![TRACEPARENT, TRACESTATE, BAGGAGE]
     }
 }
 
-struct PartsInjector {
-    traceparent: String,
-    tracestate: String,
-}
+struct PartsInjector(Parts);
 
 impl Injector for PartsInjector {
     fn set(&mut self, key: &str, value: String) {
         match key {
-            TRACEPARENT => self.traceparent = value,
-            TRACESTATE => self.tracestate = value,
+            TRACEPARENT => self.0.traceparent = value,
+            TRACESTATE => self.0.tracestate = value,
+            BAGGAGE => self.0.baggage = value,
             _ => {}
         }
     }
@@ -105,9 +116,13 @@ pub fn inject_context(cx: &Context, headers: &mut HeaderMap) {
     }
 }
 
-/// The context carried by `headers` (empty when there is none).
+/// The context carried by `headers` (empty when there is none) — theirs
+/// only: nothing of the context active where it is read (its baggage, say)
+/// is mixed in.
 pub fn extract(headers: &HeaderMap) -> Context {
-    global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
+    global::get_text_map_propagator(|p| {
+        p.extract_with_context(&Context::new(), &HeaderExtractor(headers))
+    })
 }
 
 /// As [`extract`], for a message that may have no headers at all.
@@ -115,18 +130,31 @@ pub fn extract_opt(headers: Option<&HeaderMap>) -> Context {
     headers.map(extract).unwrap_or_default()
 }
 
-/// `(traceparent, tracestate)` of `cx`; empty strings when it has none.
-pub fn parts(cx: &Context) -> (String, String) {
-    let mut out = PartsInjector { traceparent: String::new(), tracestate: String::new() };
+/// The header values of `cx` as the process's propagator writes them (no
+/// `baggage` unless `OTEL_PROPAGATORS` has it); all empty when `cx` has no
+/// valid span.
+pub fn parts(cx: &Context) -> Parts {
+    let mut out = PartsInjector(Parts::default());
     if is_valid(cx) {
         global::get_text_map_propagator(|p| p.inject_context(cx, &mut out));
     }
-    (out.traceparent, out.tracestate)
+    out.0
 }
 
-/// The context written as `traceparent` / `tracestate` strings.
-pub fn from_parts(traceparent: &str, tracestate: &str) -> Context {
-    global::get_text_map_propagator(|p| p.extract(&PartsExtractor { traceparent, tracestate }))
+/// The context written as [`Parts`], read back with the process's
+/// propagator: what was kept and nothing else (an entry without baggage
+/// does not take the baggage of the command being handled when it is
+/// relayed).
+pub fn from_parts(parts: &Parts) -> Context {
+    global::get_text_map_propagator(|p| {
+        p.extract_with_context(&Context::new(), &PartsExtractor(parts))
+    })
+}
+
+/// The value of baggage entry `key` in `cx` (a handler asks
+/// [`current_context`]).
+pub fn baggage_value(cx: &Context, key: &str) -> Option<String> {
+    cx.baggage().get(key).map(|v| v.as_str().to_string())
 }
 
 /// Makes `cx` the parent of `span`, when `cx` is valid. Call it before the
@@ -157,22 +185,47 @@ pub fn add_links<'a>(span: &tracing::Span, contexts: impl IntoIterator<Item = &'
 mod tests {
     use super::*;
 
+    fn written(traceparent: &str, tracestate: &str, baggage: &str) -> Parts {
+        Parts {
+            traceparent: traceparent.into(),
+            tracestate: tracestate.into(),
+            baggage: baggage.into(),
+        }
+    }
+
     #[test]
     fn round_trips_through_headers_and_parts() {
         global::set_text_map_propagator(crate::Options::default().text_map_propagator());
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let cx = from_parts(tp, "congo=t61rcWkgMzE");
+        let cx = from_parts(&written(tp, "congo=t61rcWkgMzE", "tenant=acme,run=7"));
         assert!(is_valid(&cx));
+        assert_eq!(baggage_value(&cx, "tenant").as_deref(), Some("acme"));
         let mut headers = HeaderMap::new();
         inject_context(&cx, &mut headers);
         assert_eq!(headers.get(TRACEPARENT).map(|v| v.as_str()), Some(tp));
         let back = extract(&headers);
-        assert_eq!(parts(&back), (tp.to_string(), "congo=t61rcWkgMzE".to_string()));
+        let mut baggage: Vec<_> =
+            headers.get(BAGGAGE).map(|v| v.as_str()).unwrap_or("").split(',').collect();
+        baggage.sort();
+        assert_eq!(baggage, ["run=7", "tenant=acme"]);
+        let kept = parts(&back);
+        assert_eq!(
+            (kept.traceparent.as_str(), kept.tracestate.as_str()),
+            (tp, "congo=t61rcWkgMzE")
+        );
+        assert_eq!(baggage_value(&from_parts(&kept), "run").as_deref(), Some("7"));
+        // An entry kept before baggage was: no baggage, the trace goes on —
+        // also where a context with baggage is active.
+        let _active = cx.clone().attach();
+        let old = from_parts(&written(tp, "", ""));
+        assert!(is_valid(&old) && baggage_value(&old, "tenant").is_none());
+        assert_eq!(parts(&old).baggage, "");
+        assert!(baggage_value(&extract(&HeaderMap::new()), "tenant").is_none());
         // Nothing to inject: the headers stay as they were.
         let mut empty = HeaderMap::new();
         inject_context(&Context::new(), &mut empty);
         assert!(empty.get(TRACEPARENT).is_none());
-        assert!(!is_valid(&from_parts("", "")));
-        assert!(!is_valid(&from_parts("garbage", "")));
+        assert!(!is_valid(&from_parts(&Parts::default())));
+        assert!(!is_valid(&from_parts(&written("garbage", "", ""))));
     }
 }
