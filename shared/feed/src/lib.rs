@@ -157,6 +157,12 @@ impl FeedStatus {
         c.load(Ordering::Relaxed)
     }
 
+    /// True once the bootstrap is done (or was not needed): the feed is
+    /// live, what readiness probes wait for.
+    pub fn is_bootstrapped(&self) -> bool {
+        self.bootstrapped.load(Ordering::SeqCst)
+    }
+
     /// Publishes these counters as the process's `shelfsync_feed_*`
     /// metrics (one feed per service process); drift repairs are counted
     /// where they happen. Call it inside `render_metrics_after`.
