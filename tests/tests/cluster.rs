@@ -935,10 +935,7 @@ async fn aggregator_on_redis_cluster_computes_cards() {
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
     let app = shelfsync_aggregator::App::build(settings.clone()).await.expect("aggregator");
     let addr = app.http_addr();
-    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(app.run_until(async move {
-        let _ = stopped.await;
-    }));
+    let _aggregator = spawn(app);
     // 40 products in 6 places: cards and category sets spread over slots.
     let mut cmds = Vec::new();
     for place in 1..=6i64 {

@@ -154,10 +154,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     // items, so one command message and one change message.
     let ingest = App::build(settings.clone()).await.expect("ingest");
     let ingest_addr = ingest.local_addr();
-    let (stop_ingest, ingest_stopped) = tokio::sync::oneshot::channel::<()>();
-    let ingest = tokio::spawn(ingest.run_until(async move {
-        let _ = ingest_stopped.await;
-    }));
+    let ingest = spawn(ingest);
     let lines: String = (0..ITEMS)
         .map(|i| {
             format!(
@@ -286,8 +283,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
         assert!(metrics.contains(needle), "{needle} missing from\n{metrics}");
     }
 
-    let _ = stop_ingest.send(());
-    ingest.await.expect("ingest task").expect("ingest");
+    ingest.stop().await.expect("ingest");
     let _ = stop_tx.send(());
     consumer.await.expect("feed task").expect("feed");
     storage.stop().await.expect("storage stop");
