@@ -175,5 +175,5 @@ pub fn tail_from_start(h: &Harness, name: &str) -> shelfsync_feed::ChangeFeed {
     let mut cfg = shelfsync_feed::FeedConfig::new(name);
     cfg.request_keyframe_if_missing = false;
     cfg.ack_wait = Duration::from_secs(5);
-    shelfsync_feed::ChangeFeed::new(h.client.clone(), &h.settings, cfg)
+    shelfsync_feed::ChangeFeed::new(h.client.clone(), &h.settings.nats, cfg)
 }

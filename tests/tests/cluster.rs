@@ -495,7 +495,7 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     let mirror = Mirror::default();
     let mut feed = ChangeFeed::new(
         h.client.clone(),
-        &settings,
+        &settings.nats,
         FeedConfig { bootstrap: Bootstrap::Resume, ..FeedConfig::new("cluster-mirror") },
     );
     let feed_status = feed.status();

@@ -122,7 +122,7 @@ async fn consumer_credentials_cannot_publish_commands_or_read_other_services_sub
     let mirror = FeedMirror::default();
     let feed = RunningFeed::start(
         "aggregator",
-        ChangeFeed::new(agg_client, &agg_settings, FeedConfig::new("aggregator")),
+        ChangeFeed::new(agg_client, &agg_settings.nats, FeedConfig::new("aggregator")),
         mirror.clone(),
     );
     eventually(Duration::from_secs(30), "the aggregator's feed bootstrapped", || async {

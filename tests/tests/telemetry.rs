@@ -134,7 +134,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     let mut cfg = FeedConfig::new(FEED);
     cfg.bootstrap = Bootstrap::Resume;
     cfg.request_keyframe_if_missing = false;
-    let mut feed = ChangeFeed::new(client, &settings, cfg);
+    let mut feed = ChangeFeed::new(client, &settings.nats, cfg);
     let status = feed.status();
     let delivered = Arc::new(AtomicUsize::new(0));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -33,9 +33,14 @@ use crate::engine::Aggregator;
 const RELOAD_POLL: Duration = Duration::from_millis(100);
 
 /// The feed configuration: a durable consumer named by
-/// `aggregator.consumer`, bootstrapped from keyframes at every start.
+/// `aggregator.consumer`, bootstrapped from keyframes at every start (asked
+/// of the `storage.replicas` storage replicas when there is none).
 pub fn feed_config(settings: &Settings) -> FeedConfig {
-    FeedConfig { bootstrap: Bootstrap::Keyframe, ..FeedConfig::new(&settings.aggregator.consumer) }
+    FeedConfig {
+        bootstrap: Bootstrap::Keyframe,
+        keyframe_responders: settings.storage.replicas,
+        ..FeedConfig::new(&settings.aggregator.consumer)
+    }
 }
 
 pub struct App {
@@ -69,14 +74,19 @@ impl App {
     pub fn aggregator(&self) -> Aggregator {
         self.aggregator.clone()
     }
+}
 
+impl Service for App {
     /// Runs until `shutdown` resolves, then finishes the batch in hand (the
     /// feed acks it), stops the watcher and the HTTP server.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let App { settings, client, aggregator, http: http_listener } = self;
         // Whatever a crash left half published goes out before anything new.
         aggregator.recover().await.context("recovering unpublished aggregates")?;
-        let mut feed = ChangeFeed::new(client.clone(), &settings, feed_config(&settings));
+        let mut feed = ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings));
         let feed_status = feed.status();
         aggregator.follow(feed_status.clone()).await;
         info!(
@@ -100,15 +110,6 @@ impl App {
         shelfsync_bus::close(&client).await;
         info!("aggregator stopped");
         result.context("change feed")
-    }
-}
-
-impl Service for App {
-    fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send {
-        App::run_until(self, shutdown)
     }
 }
 

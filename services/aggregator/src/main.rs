@@ -2,7 +2,7 @@
 //! change stream.
 
 use clap::Parser;
-use shelfsync_service::ConfigArgs;
+use shelfsync_service::{ConfigArgs, Service};
 
 #[derive(Parser)]
 #[command(

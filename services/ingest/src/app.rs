@@ -78,10 +78,15 @@ impl App {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+}
 
+impl Service for App {
     /// Serves and polls until `shutdown` completes, then lets running
     /// imports finish (up to a grace period).
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let drain = Drain::new();
         let mut pollers = JoinSet::new();
         for partner in &self.state.settings.partners {
@@ -110,15 +115,6 @@ impl App {
             warn!(grace = ?SHUTDOWN_GRACE, "imports still running at shutdown were cut off (nothing swept)");
         }
         Ok(())
-    }
-}
-
-impl Service for App {
-    fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send {
-        App::run_until(self, shutdown)
     }
 }
 

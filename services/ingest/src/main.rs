@@ -1,7 +1,7 @@
 //! `shelfsync-ingest`: the ingest service (see the library for what it does).
 
 use clap::Parser;
-use shelfsync_service::ConfigArgs;
+use shelfsync_service::{ConfigArgs, Service};
 
 #[derive(Parser)]
 #[command(version, about = "shelfsync ingest: partner feeds to PATCH commands")]

@@ -125,8 +125,12 @@ impl App {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
         // One consumer per instance: each rebuilds its picks from a keyframe.
         let name = format!("picks-{}", std::process::id());
-        let cfg = FeedConfig { metric_label: "picks".into(), ..FeedConfig::new(name) };
-        let feed = ChangeFeed::new(client.clone(), &settings, cfg);
+        let cfg = FeedConfig {
+            metric_label: "picks".into(),
+            keyframe_responders: settings.storage.replicas,
+            ..FeedConfig::new(name)
+        };
+        let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
         let http = shelfsync_service::bind(listen).await?;
         Ok(App { client, feed, picks: Picks::default(), http })
     }
@@ -140,10 +144,15 @@ impl App {
     pub fn picks(&self) -> Picks {
         self.picks.clone()
     }
+}
 
+impl Service for App {
     /// Runs the feed and the HTTP API until `shutdown` resolves: then the
     /// feed finishes the message in hand and HTTP drains.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let App { client, mut feed, picks, http } = self;
         let drain = Drain::new();
         let http = serve(http, router(picks.clone(), feed.status()), &drain);
@@ -153,15 +162,6 @@ impl App {
         http.await??;
         shelfsync_bus::close(&client).await;
         Ok(fed?)
-    }
-}
-
-impl Service for App {
-    fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send {
-        App::run_until(self, shutdown)
     }
 }
 

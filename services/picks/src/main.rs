@@ -1,7 +1,7 @@
 //! `shelfsync-picks`: the example ChangeFeed service (discounted picks).
 
 use clap::Parser;
-use shelfsync_service::ConfigArgs;
+use shelfsync_service::{ConfigArgs, Service};
 
 #[derive(Parser)]
 #[command(

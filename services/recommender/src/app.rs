@@ -50,8 +50,12 @@ impl App {
             })?;
         let http = shelfsync_service::bind(&settings.recommender.http_listen).await?;
         let feed_name = feed_name();
-        let cfg = FeedConfig { metric_label: "recommender".into(), ..FeedConfig::new(&feed_name) };
-        let feed = ChangeFeed::new(client.clone(), &settings, cfg);
+        let cfg = FeedConfig {
+            metric_label: "recommender".into(),
+            keyframe_responders: settings.storage.replicas,
+            ..FeedConfig::new(&feed_name)
+        };
+        let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
         let api =
             Api::new(SharedIndex::default(), feed.status(), Limits::from(&settings.recommender));
         Ok(App {
@@ -76,11 +80,16 @@ impl App {
     pub fn index(&self) -> SharedIndex {
         self.api.index().clone()
     }
+}
 
+impl Service for App {
     /// Runs until `shutdown` resolves (or the feed fails): then leaves the
     /// NATS queue group, finishes the change message in hand, drains HTTP
     /// and flushes the connection.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let App { client, subjects, http, mut feed, feed_name, api } = self;
         info!(
             http = %http.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
@@ -105,15 +114,6 @@ impl App {
         shelfsync_bus::close(&client).await;
         served.context("HTTP server failed")?;
         result
-    }
-}
-
-impl Service for App {
-    fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send {
-        App::run_until(self, shutdown)
     }
 }
 

@@ -45,7 +45,8 @@ impl App {
         let rules = Rules::from_settings(&settings.validator.rules)?;
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-validator", true).await?;
         let http = shelfsync_service::bind(&settings.validator.http_listen).await?;
-        let feed = ChangeFeed::new(client.clone(), &settings, feed_config(&settings.validator));
+        let feed =
+            ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings.validator));
         Ok(App {
             settings: Arc::new(settings),
             client,
@@ -68,10 +69,15 @@ impl App {
     pub fn feed_status(&self) -> Arc<FeedStatus> {
         self.feed.status()
     }
+}
 
+impl Service for App {
     /// Judges changes until `shutdown` resolves, then finishes the message in
     /// hand (its commands published, the message acked) and stops.
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         info!(
             consumer = %self.settings.validator.consumer,
             rules = self.rules.len(),
@@ -93,15 +99,6 @@ impl App {
         shelfsync_bus::close(&self.client).await;
         info!("validator stopped");
         Ok(())
-    }
-}
-
-impl Service for App {
-    fn run_until(
-        self,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send {
-        App::run_until(self, shutdown)
     }
 }
 

@@ -1,7 +1,7 @@
 //! `shelfsync-validator`: hides offers that break the configured rules.
 
 use clap::Parser;
-use shelfsync_service::ConfigArgs;
+use shelfsync_service::{ConfigArgs, Service};
 
 #[derive(Parser)]
 #[command(name = "shelfsync-validator", version, about = "shelfsync validator service")]
