@@ -23,6 +23,37 @@ impl ConfigArgs {
     }
 }
 
+impl ConfigArgs {
+    /// Parses the command line of a binary whose only arguments are its
+    /// settings files (`--help` says `about`, `--version` the workspace's).
+    pub fn parse_for(name: &'static str, about: &'static str) -> ConfigArgs {
+        use clap::{Args as _, FromArgMatches as _};
+        // The struct's doc comment would be the about: set ours after.
+        let command = ConfigArgs::augment_args(clap::Command::new(name))
+            .about(about)
+            .version(env!("CARGO_PKG_VERSION"));
+        let matches = command.get_matches();
+        ConfigArgs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
+
+/// The whole `main` of a service configured by its settings files alone:
+/// parse the command line, [`start`], build the app with `build` and run
+/// it until SIGTERM or SIGINT.
+pub async fn main<A, F>(
+    name: &'static str,
+    about: &'static str,
+    build: impl FnOnce(Settings) -> F,
+) -> anyhow::Result<()>
+where
+    A: crate::Service,
+    F: std::future::Future<Output = anyhow::Result<A>>,
+{
+    let args = ConfigArgs::parse_for(name, about);
+    let (settings, _telemetry) = start(name, &args)?;
+    build(settings).await?.run_until(crate::shutdown_signal()).await
+}
+
 /// Loads the settings and initialises telemetry for `service` (the binary's
 /// name). Hold the guard until `main` returns: dropping it flushes the spans.
 pub fn start(
@@ -44,6 +75,17 @@ mod tests {
     struct Args {
         #[command(flatten)]
         config: ConfigArgs,
+    }
+
+    #[test]
+    fn a_bare_service_takes_its_config_files_and_nothing_else() {
+        use clap::{Args as _, FromArgMatches as _};
+        let command = ConfigArgs::augment_args(clap::Command::new("svc"));
+        let matches =
+            command.clone().try_get_matches_from(["svc", "--config", "a.toml"]).expect("parses");
+        let args = ConfigArgs::from_arg_matches(&matches).expect("args");
+        assert_eq!(args.config, [PathBuf::from("a.toml")]);
+        assert!(command.try_get_matches_from(["svc", "--listen", "x"]).is_err());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //!
 //! - [`ConfigArgs`] and [`start`]: the `--config` files (or
 //!   `SHELFSYNC_CONFIG`) loaded into settings, and telemetry initialised;
+//!   [`main`], the whole `main` of a service that takes nothing else;
 //! - [`shutdown_signal`]: SIGTERM or SIGINT, the start of a graceful stop;
 //! - [`Drain`]: the one stop signal a service hands to its tasks (HTTP
 //!   server, pollers, responders) instead of an ad-hoc channel;
@@ -20,7 +21,7 @@ mod probes;
 mod serve;
 mod signal;
 
-pub use args::{ConfigArgs, start};
+pub use args::{ConfigArgs, main, start};
 pub use drain::Drain;
 pub use probes::{Probes, Readiness};
 pub use serve::{bind, serve, serve_with_peer_addr};
