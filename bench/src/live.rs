@@ -86,7 +86,8 @@ impl Consumer {
     pub async fn start(world: &World, storage: &Target) -> anyhow::Result<(Consumer, Duration)> {
         let mut cfg = FeedConfig::new("bench-live");
         cfg.max_ack_pending = 1000;
-        let mut feed = ChangeFeed::new(world.client.clone(), &storage.settings, cfg);
+        cfg.keyframe_responders = storage.settings.storage.replicas;
+        let mut feed = ChangeFeed::new(world.client.clone(), &storage.settings.nats, cfg);
         let status = feed.status();
         let index = SharedIndex::default();
         let samples = Arc::new(Mutex::new(Vec::new()));

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use shelfsync_cli::genfeed::CATEGORIES;
 use shelfsync_recommender::{Api, App, Limits, PlaceKey, TopQuery};
+use shelfsync_service::Service;
 use tokio::sync::oneshot;
 
 use crate::children::Target;

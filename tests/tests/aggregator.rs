@@ -14,7 +14,6 @@ use shelfsync_proto::{
 use shelfsync_settings::{PlaceRegion, Settings};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
-use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(30);
 const NORTH: &str = "north";
@@ -33,32 +32,27 @@ fn aggregator_settings(env: &TestEnv) -> Settings {
 type CardView = (Option<i64>, u64, Option<(i64, i64)>);
 
 /// The aggregator App running in this process.
-struct Running {
+struct RunningAggregator {
     addr: std::net::SocketAddr,
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    running: Running,
 }
 
-impl Running {
-    async fn start(settings: &Settings) -> Running {
+impl RunningAggregator {
+    async fn start(settings: &Settings) -> RunningAggregator {
         let app = App::build(settings.clone()).await.expect("aggregator builds");
         let addr = app.http_addr();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(app.run_until(async move {
-            let _ = stopped.await;
-        }));
+        let running = spawn(app);
         let (status, _) = http_get(addr, "/healthz").await.expect("healthz");
         assert_eq!(status, 200);
         eventually(WAIT, "the aggregator bootstrapped", || async {
             http_get(addr, "/readyz").await.is_ok_and(|(s, _)| s == 200)
         })
         .await;
-        Running { addr, stop, task }
+        RunningAggregator { addr, running }
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("join").expect("the aggregator stops cleanly");
+        self.running.stop().await.expect("the aggregator stops cleanly");
     }
 
     /// The card over HTTP: `(min_price, offers, cheapest place)`, `None` on 404.
@@ -172,7 +166,7 @@ async fn the_minimum_moves_to_the_next_offer_and_the_last_one_retracts_the_card(
     let settings = aggregator_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = Running::start(&settings).await;
+    let agg = RunningAggregator::start(&settings).await;
 
     // Place 3 comes from a full import (generation 1000), so a later import
     // without the rose sweeps it.
@@ -227,7 +221,7 @@ async fn nothing_is_published_when_no_aggregate_changes() {
     let settings = aggregator_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = Running::start(&settings).await;
+    let agg = RunningAggregator::start(&settings).await;
     h.send(vec![
         patch(7, 1, "rose", &offer(100, 5, "roses"), 0),
         patch(7, 2, "rose", &offer(200, 5, "roses"), 0),
@@ -289,7 +283,7 @@ async fn a_restart_from_an_old_keyframe_publishes_nothing_and_ends_in_the_same_s
     h.wait_settled().await;
     // The first start finds no keyframe and asks storage for one: the
     // keyframe every later start bootstraps from, older and older.
-    let agg = Running::start(&settings).await;
+    let agg = RunningAggregator::start(&settings).await;
     agg.wait_card("rose", Some((Some(100), 3, Some((7, 1))))).await;
 
     // Moves after the keyframe: the cheapest sells out, a price changes, a
@@ -315,7 +309,7 @@ async fn a_restart_from_an_old_keyframe_publishes_nothing_and_ends_in_the_same_s
 
     // Restarted: it reloads every place from the old keyframe (older
     // versions than it counted) and replays the changes after it.
-    let agg = Running::start(&settings).await;
+    let agg = RunningAggregator::start(&settings).await;
     // A change after the restart, on the places replayed: once it shows,
     // the replay before it is done.
     h.send(vec![
@@ -443,7 +437,7 @@ async fn the_category_cache_flips_between_empty_and_non_empty() {
     let settings = aggregator_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = Running::start(&settings).await;
+    let agg = RunningAggregator::start(&settings).await;
     h.send(vec![
         patch(7, 1, "rose", &offer(100, 5, "roses"), 0),
         patch(7, 1, "tulip", &offer(50, 5, "tulips"), 0),

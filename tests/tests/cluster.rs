@@ -514,7 +514,7 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     let mirror = Mirror::default();
     let mut feed = ChangeFeed::new(
         h.client.clone(),
-        &settings,
+        &settings.nats,
         FeedConfig { bootstrap: Bootstrap::Resume, ..FeedConfig::new("cluster-mirror") },
     );
     let feed_status = feed.status();
@@ -954,10 +954,7 @@ async fn aggregator_on_redis_cluster_computes_cards() {
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
     let app = shelfsync_aggregator::App::build(settings.clone()).await.expect("aggregator");
     let addr = app.http_addr();
-    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(app.run_until(async move {
-        let _ = stopped.await;
-    }));
+    let _aggregator = spawn(app);
     // 40 products in 6 places: cards and category sets spread over slots.
     let mut cmds = Vec::new();
     for place in 1..=6i64 {

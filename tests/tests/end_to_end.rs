@@ -12,18 +12,6 @@ use shelfsync_tests::*;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-/// Spawns an app's `run_until` and returns its stop handle.
-fn spawn<F>(
-    run: impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> F,
-) -> tokio::sync::oneshot::Sender<()>
-where
-    F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(run(rx));
-    tx
-}
-
 fn feed(price: i64) -> String {
     format!(
         r#"{{"brand_id": 7, "places": [
@@ -66,23 +54,7 @@ async fn a_bad_price_is_hidden_everywhere_until_it_is_fixed() {
     let recommender =
         shelfsync_recommender::App::build(settings.clone()).await.expect("recommender");
     let (agg, rec) = (aggregator.http_addr(), recommender.http_addr());
-    let _stops = [
-        spawn(|rx| {
-            validator.run_until(async move {
-                let _ = rx.await;
-            })
-        }),
-        spawn(|rx| {
-            aggregator.run_until(async move {
-                let _ = rx.await;
-            })
-        }),
-        spawn(|rx| {
-            recommender.run_until(async move {
-                let _ = rx.await;
-            })
-        }),
-    ];
+    let _running = [spawn(validator), spawn(aggregator), spawn(recommender)];
     for addr in [agg, rec] {
         eventually(WAIT, "consumers ready", || async {
             http_get(addr, "/readyz").await.is_ok_and(|(s, _)| s == 200)

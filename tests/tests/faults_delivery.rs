@@ -262,7 +262,7 @@ async fn a_consumer_rebuilt_from_a_keyframe_taken_under_load_has_storage_digests
     cfg.request_keyframe_if_missing = false;
     let feed = RunningFeed::start(
         "rebuilt",
-        ChangeFeed::new(h.client.clone(), &h.settings, cfg),
+        ChangeFeed::new(h.client.clone(), &h.settings.nats, cfg),
         mirror.clone(),
     );
     eventually(Duration::from_secs(30), "bootstrapped", || async {

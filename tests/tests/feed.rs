@@ -40,7 +40,7 @@ type Running =
     (Arc<FeedStatus>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<ChangeFeed>);
 
 fn start_feed(h: &Harness, name: &str, replica: Replica) -> Running {
-    run_feed(ChangeFeed::new(h.client.clone(), &h.settings, FeedConfig::new(name)), replica)
+    run_feed(ChangeFeed::new(h.client.clone(), &h.settings.nats, FeedConfig::new(name)), replica)
 }
 
 /// Runs `feed` until the sender fires; the task hands the feed back.

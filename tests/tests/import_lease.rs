@@ -201,8 +201,7 @@ async fn a_cli_import_and_the_service_never_interleave_their_full_imports() {
     settings.partners[0].source = Some(b_path.display().to_string());
     settings.partners[0].poll_interval = Some(Duration::from_millis(100));
     let app = App::build(settings).await.expect("ingest service");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = tokio::spawn(app.run_until(async move { _ = stopped.await }));
+    let service = spawn(app);
     // A negative cannot be waited for: several poll rounds while the CLI
     // holds the lease, on purpose.
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -225,8 +224,7 @@ async fn a_cli_import_and_the_service_never_interleave_their_full_imports() {
         reports.iter().any(|r| r.import_id != a_id && r.status == ImportStatus::Completed)
     })
     .await;
-    _ = stop.send(());
-    service.await.expect("join").expect("the service stops");
+    service.stop().await.expect("the service stops");
     let b = importer.reports("flowers", 20).await.expect("reports").remove(0);
     assert_eq!((b.items, b.sweeps), (50, 1));
     assert!(

@@ -35,17 +35,9 @@ async fn picks_follow_the_change_stream() {
     .expect("send");
     h.wait_settled().await;
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = tokio::spawn(shelfsync_picks::run(
-        settings,
-        listener,
-        shelfsync_picks::Picks::default(),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let app = shelfsync_picks::App::build(settings, "127.0.0.1:0").await.expect("picks builds");
+    let addr = app.http_addr();
+    let service = spawn(app);
     let ids = |body: &str| -> Vec<String> {
         let v: serde_json::Value = serde_json::from_str(body).expect("json");
         v.as_array()
@@ -75,6 +67,5 @@ async fn picks_follow_the_change_stream() {
     .await;
     let (_, body) = http_get(addr, "/v1/picks/7/2").await.expect("get");
     assert_eq!(ids(&body), ["elsewhere"]);
-    let _ = stop.send(());
-    service.await.expect("join").expect("service stops cleanly");
+    service.stop().await.expect("service stops cleanly");
 }

@@ -15,7 +15,6 @@ use shelfsync_proto::{
 use shelfsync_settings::Settings;
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
-use tokio::sync::oneshot;
 
 const BRAND: i64 = 7;
 
@@ -24,7 +23,7 @@ struct Api {
     h: Harness,
     base: String,
     http: reqwest::Client,
-    _stop: oneshot::Sender<()>,
+    _storage: Running,
     _env: TestEnv,
 }
 
@@ -36,14 +35,11 @@ async fn start(tune: impl FnOnce(&mut Settings)) -> Api {
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let app = shelfsync_storage::App::build(settings).await.expect("storage");
     let base = format!("http://{}", app.http_addr());
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(app.run_until(async move {
-        let _ = stopped.await;
-    }));
+    let storage = spawn_with(|shutdown| app.run_until(shutdown));
     // reqwest is built without a default TLS provider; plain HTTP still needs one installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder().build().expect("HTTP client");
-    Api { h, base, http, _stop: stop, _env: env }
+    Api { h, base, http, _storage: storage, _env: env }
 }
 
 impl Api {

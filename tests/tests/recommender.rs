@@ -314,10 +314,7 @@ async fn recommender_answers_match_a_brute_force_ranking_of_storage() {
     let app = App::build(settings.clone()).await.expect("recommender");
     let addr = app.http_addr();
     let status = app.status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = tokio::spawn(app.run_until(async move {
-        let _ = stopped.await;
-    }));
+    let service = spawn(app);
     let asked = tokio::time::timeout(Duration::from_secs(30), ctl.next())
         .await
         .expect("the recommender asks for a keyframe")
@@ -467,11 +464,9 @@ async fn recommender_answers_match_a_brute_force_ranking_of_storage() {
     assert_eq!(code, 200);
     assert!(metrics.contains(&format!("shelfsync_recommender_offers {offered}")), "{metrics}");
 
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(20), service)
+    tokio::time::timeout(Duration::from_secs(20), service.stop())
         .await
         .expect("the recommender stops in time")
-        .expect("join")
         .expect("the recommender stops cleanly");
     storage.stop().await.expect("storage stops");
 }

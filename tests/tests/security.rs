@@ -122,7 +122,7 @@ async fn consumer_credentials_cannot_publish_commands_or_read_other_services_sub
     let mirror = FeedMirror::default();
     let feed = RunningFeed::start(
         "aggregator",
-        ChangeFeed::new(agg_client, &agg_settings, FeedConfig::new("aggregator")),
+        ChangeFeed::new(agg_client, &agg_settings.nats, FeedConfig::new("aggregator")),
         mirror.clone(),
     );
     eventually(Duration::from_secs(30), "the aggregator's feed bootstrapped", || async {
@@ -452,8 +452,7 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
     let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
     let app = shelfsync_ingest::App::build(settings.clone()).await.expect("ingest");
     let base = format!("http://{}", app.local_addr());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let ingest = tokio::spawn(app.run_until(async move { _ = stopped.await }));
+    let ingest = spawn(app);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
 
@@ -552,8 +551,7 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
     changed.sort();
     assert_eq!(changed, ["a", "b", "c"], "one change per accepted item, none from refused pushes");
     assert!(h.get(BRAND, 1, "forged").await.expect("get").is_none());
-    _ = stop.send(());
-    ingest.await.expect("task").expect("ingest stops");
+    ingest.stop().await.expect("ingest stops");
 }
 
 /// Storage's relay reads its change subjects back (scenario 5c) under the

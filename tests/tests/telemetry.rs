@@ -155,7 +155,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     let mut cfg = FeedConfig::new(FEED);
     cfg.bootstrap = Bootstrap::Resume;
     cfg.request_keyframe_if_missing = false;
-    let mut feed = ChangeFeed::new(client, &settings, cfg);
+    let mut feed = ChangeFeed::new(client, &settings.nats, cfg);
     let status = feed.status();
     let delivered = Arc::new(AtomicUsize::new(0));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -176,10 +176,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     // items, so one command message and one change message.
     let ingest = App::build(settings.clone()).await.expect("ingest");
     let ingest_addr = ingest.local_addr();
-    let (stop_ingest, ingest_stopped) = tokio::sync::oneshot::channel::<()>();
-    let ingest = tokio::spawn(ingest.run_until(async move {
-        let _ = ingest_stopped.await;
-    }));
+    let ingest = spawn(ingest);
     let lines: String = (0..ITEMS)
         .map(|i| {
             format!(
@@ -326,8 +323,7 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
         assert!(metrics.contains(needle), "{needle} missing from\n{metrics}");
     }
 
-    let _ = stop_ingest.send(());
-    ingest.await.expect("ingest task").expect("ingest");
+    ingest.stop().await.expect("ingest");
     let _ = stop_tx.send(());
     consumer.await.expect("feed task").expect("feed");
     storage.stop().await.expect("storage stop");

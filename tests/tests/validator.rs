@@ -27,8 +27,7 @@ fn settings(env: &TestEnv) -> Settings {
 
 /// A validator running in this process (the real `App`).
 struct RunningValidator {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    running: Running,
     stats: Arc<Stats>,
     status: Arc<FeedStatus>,
     addr: std::net::SocketAddr,
@@ -38,11 +37,7 @@ impl RunningValidator {
     async fn start(settings: Settings) -> Self {
         let app = shelfsync_validator::App::build(settings).await.expect("validator builds");
         let (stats, status, addr) = (app.stats(), app.feed_status(), app.http_addr());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(app.run_until(async move {
-            let _ = stopped.await;
-        }));
-        Self { stop, task, stats, status, addr }
+        Self { running: spawn(app), stats, status, addr }
     }
 
     async fn ready(&self) -> bool {
@@ -55,8 +50,7 @@ impl RunningValidator {
 
     /// Graceful stop, as on SIGTERM.
     async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("join").expect("validator stops cleanly");
+        self.running.stop().await.expect("validator stops cleanly");
     }
 
     fn hides(&self) -> u64 {

@@ -127,13 +127,11 @@ async fn measure_peer(
     };
     let chosen = &clients[..peer.connections];
     for v in Variant::ALL {
-        load::execute_all(&clients[0], &[sql::create_schema(v)]).await?;
-        for step in &steps {
-            generation += 1;
-            let row = import_step(&server, chosen, v, step, generation).await?;
+        import_variant(&server, chosen, v, &steps, &mut generation, |_, row| {
             eprintln!("[bench] postgres: {}", row.summary());
             peer.imports.push(row);
-        }
+        })
+        .await?;
         // Disk stays bounded, as for shelfsync's change streams.
         load::execute_all(&clients[0], &[format!("DROP SCHEMA {} CASCADE", v.schema())]).await?;
     }
@@ -174,6 +172,24 @@ fn best_connections(probe: &[PeerImportRow]) -> Option<usize> {
 }
 
 /// One untimed maintenance pass, one timed import, its verification, the outbox drained.
+/// Every step imported in turn into a fresh schema of variant `v`, each
+/// with the next generation; `on_row` gets each step's row as it comes.
+async fn import_variant(
+    server: &PgServer,
+    clients: &[Client],
+    v: Variant,
+    steps: &[PeerStep<'_>],
+    generation: &mut i64,
+    mut on_row: impl FnMut(&PeerStep<'_>, PeerImportRow),
+) -> anyhow::Result<()> {
+    load::execute_all(&clients[0], &[sql::create_schema(v)]).await?;
+    for step in steps {
+        *generation += 1;
+        on_row(step, import_step(server, clients, v, step, *generation).await?);
+    }
+    Ok(())
+}
+
 async fn import_step(
     server: &PgServer,
     clients: &[Client],
@@ -272,14 +288,12 @@ mod tests {
         ];
         let mut generation = 0;
         for v in Variant::ALL {
-            load::execute_all(&clients[0], &[sql::create_schema(v)]).await?;
-            for step in &steps {
-                generation += 1;
-                let row = import_step(&server, &clients, v, step, generation).await?;
+            import_variant(&server, &clients, v, &steps, &mut generation, |step, row| {
                 assert!(row.problems.is_empty(), "{}", row.summary());
                 assert_eq!(row.changes, step.feed_changes, "{}", row.summary());
                 assert_eq!(row.stamped, 2500 - step.feed_changes, "{}", row.summary());
-            }
+            })
+            .await?;
         }
         // A prediction the tables do not meet is caught.
         let wrong = PeerStep { feed_changes: 1, ..steps.into_iter().nth(1).expect("identical") };

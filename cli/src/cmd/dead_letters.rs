@@ -395,49 +395,37 @@ async fn redrive_command(
 async fn redrive_entries(ctx: &Context, args: RedriveArgs) -> anyhow::Result<()> {
     let request =
         RedriveRequest { partitions: args.partitions.clone(), msg_ids: args.msg_ids.clone() };
-    let client = ctx.nats().await?;
-    let expected = ctx.settings.storage.replicas as usize;
+    let expected = ctx.settings.storage.replicas;
     let mut out = std::io::stdout();
     let (mut redriven, mut failed) = (0, 0);
-    let got = rpc::gather(
-        &client,
-        ctx.subjects().ctl_redrive(),
-        request.encode_to_vec(),
-        expected,
-        args.timeout,
-        |msg| {
-            let reply = RedriveReply::decode(msg.payload.as_ref())
-                .context("a storage replica sent an undecodable RedriveReply")?;
-            redriven += reply.redriven;
-            if !reply.error.is_empty() {
-                failed += 1;
-            }
-            let text = if args.json {
-                json!({
-                    "replica": reply.replica,
-                    "redriven": reply.redriven,
-                    "error": (!reply.error.is_empty()).then_some(&reply.error),
-                })
-                .to_string()
-            } else if reply.error.is_empty() {
-                format!(
-                    "replica {}: {} entries put back into their outbox",
-                    reply.replica, reply.redriven
-                )
-            } else {
-                format!(
-                    "replica {}: {} entries put back, error: {}",
-                    reply.replica, reply.redriven, reply.error
-                )
-            };
-            writeln!(out, "{text}")?;
-            Ok(())
-        },
-    )
+    let subject = ctx.subjects().ctl_redrive();
+    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: RedriveReply| {
+        redriven += reply.redriven;
+        if !reply.error.is_empty() {
+            failed += 1;
+        }
+        let text = if args.json {
+            json!({
+                "replica": reply.replica,
+                "redriven": reply.redriven,
+                "error": (!reply.error.is_empty()).then_some(&reply.error),
+            })
+            .to_string()
+        } else if reply.error.is_empty() {
+            format!(
+                "replica {}: {} entries put back into their outbox",
+                reply.replica, reply.redriven
+            )
+        } else {
+            format!(
+                "replica {}: {} entries put back, error: {}",
+                reply.replica, reply.redriven, reply.error
+            )
+        };
+        writeln!(out, "{text}")?;
+        Ok(())
+    })
     .await?;
-    if got < expected {
-        return Err(rpc::missing_replies(got, expected, args.timeout));
-    }
     anyhow::ensure!(failed == 0, "{failed} of {expected} storage replicas failed the redrive");
     if redriven == 0 && !args.msg_ids.is_empty() {
         return Err(CliError::NotFound(format!(

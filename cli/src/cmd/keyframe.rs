@@ -9,8 +9,6 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::Context as _;
-use prost::Message;
 use serde_json::json;
 use shelfsync_proto::{KeyframeReply, KeyframeRequest};
 
@@ -48,31 +46,19 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         brand_id: args.brand.unwrap_or(0),
         place_id: args.place.unwrap_or(0),
     };
-    let client = ctx.nats().await?;
-    let expected = ctx.settings.storage.replicas as usize;
+    let expected = ctx.settings.storage.replicas;
     let mut out = std::io::stdout();
     let mut failed = 0;
-    let got = rpc::gather(
-        &client,
-        ctx.subjects().ctl_keyframe(),
-        request.encode_to_vec(),
-        expected,
-        args.timeout,
-        |msg| {
-            let reply = KeyframeReply::decode(msg.payload.as_ref())
-                .context("a storage replica sent an undecodable KeyframeReply")?;
-            if !reply.error.is_empty() {
-                failed += 1;
-            }
-            writeln!(out, "{}", render(&reply, args.json))?;
-            out.flush()?;
-            Ok(())
-        },
-    )
+    let subject = ctx.subjects().ctl_keyframe();
+    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: KeyframeReply| {
+        if !reply.error.is_empty() {
+            failed += 1;
+        }
+        writeln!(out, "{}", render(&reply, args.json))?;
+        out.flush()?;
+        Ok(())
+    })
     .await?;
-    if got < expected {
-        return Err(rpc::missing_replies(got, expected, args.timeout));
-    }
     anyhow::ensure!(failed == 0, "{failed} of {expected} storage replicas failed the keyframe");
     Ok(())
 }

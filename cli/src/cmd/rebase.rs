@@ -11,8 +11,6 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::Context as _;
-use prost::Message;
 use serde_json::json;
 use shelfsync_proto::{RebaseReply, RebaseRequest};
 
@@ -39,30 +37,17 @@ pub struct Args {
 pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     let request =
         RebaseRequest { partitions: args.partitions.clone(), applied_seq: args.applied_seq };
-    let client = ctx.nats().await?;
-    let expected = ctx.settings.storage.replicas as usize;
     let mut out = std::io::stdout();
     let mut failed = 0;
-    let got = rpc::gather(
-        &client,
-        ctx.subjects().ctl_rebase(),
-        request.encode_to_vec(),
-        expected,
-        args.timeout,
-        |msg| {
-            let reply = RebaseReply::decode(msg.payload.as_ref())
-                .context("a storage replica sent an undecodable RebaseReply")?;
-            if !reply.error.is_empty() {
-                failed += 1;
-            }
-            writeln!(out, "{}", render(&reply, args.json))?;
-            Ok(())
-        },
-    )
+    let subject = ctx.subjects().ctl_rebase();
+    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: RebaseReply| {
+        if !reply.error.is_empty() {
+            failed += 1;
+        }
+        writeln!(out, "{}", render(&reply, args.json))?;
+        Ok(())
+    })
     .await?;
-    if got < expected {
-        return Err(rpc::missing_replies(got, expected, args.timeout));
-    }
     anyhow::ensure!(failed == 0, "{failed} replicas could not re-base every partition");
     Ok(())
 }

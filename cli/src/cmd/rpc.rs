@@ -87,6 +87,32 @@ pub async fn gather(
     Ok(got)
 }
 
+/// A `ctl.*` request every storage replica answers: sends `request` on
+/// `subject`, decodes each reply as `R` and hands it to `on_reply` as it
+/// comes; an error (exit 4) when fewer than `storage.replicas` replied
+/// within `timeout`. What a reply means is for `on_reply`.
+pub async fn ask_every_replica<R: prost::Message + Default>(
+    ctx: &crate::Context,
+    subject: String,
+    request: &impl prost::Message,
+    timeout: Duration,
+    mut on_reply: impl FnMut(R) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let client = ctx.nats().await?;
+    let expected = ctx.settings.storage.replicas as usize;
+    let name = std::any::type_name::<R>().rsplit("::").next().unwrap_or("reply");
+    let got = gather(&client, subject, request.encode_to_vec(), expected, timeout, |msg| {
+        let reply = R::decode(msg.payload.as_ref())
+            .with_context(|| format!("a storage replica sent an undecodable {name}"))?;
+        on_reply(reply)
+    })
+    .await?;
+    if got < expected {
+        return Err(missing_replies(got, expected, timeout));
+    }
+    Ok(())
+}
+
 /// The error when fewer replicas answered than `storage.replicas` says.
 pub fn missing_replies(got: usize, expected: usize, timeout: Duration) -> anyhow::Error {
     CliError::Timeout(format!(

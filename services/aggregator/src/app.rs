@@ -22,20 +22,25 @@ use axum::{Json, Router};
 use serde::Serialize;
 use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
 use shelfsync_proto::MasterCard;
+use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::Settings;
-use tokio::sync::watch;
 use tracing::{error, info};
 
 use crate::aggregate::CardId;
-use crate::engine::{Aggregator, Status};
+use crate::engine::Aggregator;
 
 /// How often the watcher looks for reloads to sweep.
 const RELOAD_POLL: Duration = Duration::from_millis(100);
 
 /// The feed configuration: a durable consumer named by
-/// `aggregator.consumer`, bootstrapped from keyframes at every start.
+/// `aggregator.consumer`, bootstrapped from keyframes at every start (asked
+/// of the `storage.replicas` storage replicas when there is none).
 pub fn feed_config(settings: &Settings) -> FeedConfig {
-    FeedConfig { bootstrap: Bootstrap::Keyframe, ..FeedConfig::new(&settings.aggregator.consumer) }
+    FeedConfig {
+        bootstrap: Bootstrap::Keyframe,
+        keyframe_responders: settings.storage.replicas,
+        ..FeedConfig::new(&settings.aggregator.consumer)
+    }
 }
 
 pub struct App {
@@ -49,6 +54,7 @@ impl App {
     /// Connects to NATS and Redis, makes sure the streams exist and binds
     /// the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        crate::metrics::register();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         shelfsync_bus::provision(&js, &settings).await?;
@@ -56,10 +62,7 @@ impl App {
             Aggregator::connect(&settings, client.clone()).await.with_context(|| {
                 format!("cannot connect to Redis at {}", settings.redis.url_redacted())
             })?;
-        let listen = &settings.aggregator.http_listen;
-        let http = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
+        let http = shelfsync_service::bind(&settings.aggregator.http_listen).await?;
         Ok(App { settings, client, aggregator, http })
     }
 
@@ -71,43 +74,37 @@ impl App {
     pub fn aggregator(&self) -> Aggregator {
         self.aggregator.clone()
     }
+}
 
+impl Service for App {
     /// Runs until `shutdown` resolves, then finishes the batch in hand (the
     /// feed acks it), stops the watcher and the HTTP server.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let App { settings, client, aggregator, http } = self;
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let App { settings, client, aggregator, http: http_listener } = self;
         // Whatever a crash left half published goes out before anything new.
         aggregator.recover().await.context("recovering unpublished aggregates")?;
-        let mut feed = ChangeFeed::new(client.clone(), &settings, feed_config(&settings));
+        let mut feed = ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings));
         let feed_status = feed.status();
         aggregator.follow(feed_status.clone()).await;
         info!(
             consumer = %settings.aggregator.consumer,
             places = settings.aggregator.places.len(),
             default_region = ?settings.aggregator.default_region,
-            http = %http.local_addr()?,
+            http = %http_listener.local_addr()?,
             "aggregator starting"
         );
 
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let router = router(Http {
-            aggregator: aggregator.clone(),
-            feed: feed_status.clone(),
-            status: aggregator.status(),
-        });
-        let mut http_stop = stop_rx.clone();
-        let http_task = tokio::spawn(async move {
-            axum::serve(http, router)
-                .with_graceful_shutdown(async move {
-                    let _ = http_stop.changed().await;
-                })
-                .await
-        });
-        let watcher = tokio::spawn(watch_reloads(aggregator.clone(), stop_rx));
+        let drain = Drain::new();
+        let http = Http { aggregator: aggregator.clone(), feed: feed_status.clone() };
+        let http_task = serve(http_listener, router(http), &drain);
+        let watcher = tokio::spawn(watch_reloads(aggregator.clone(), drain.clone()));
 
         let mut handler = aggregator;
         let result = run_feed(&mut feed, &mut handler, &feed_status, shutdown).await;
-        let _ = stop_tx.send(true);
+        drain.start();
         let _ = watcher.await;
         http_task.await.context("http task")?.context("http server")?;
         shelfsync_bus::close(&client).await;
@@ -128,17 +125,15 @@ async fn run_feed(
     status: &FeedStatus,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), shelfsync_feed::FeedError> {
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let run = feed.run(handler, async move {
-        let _ = stop_rx.wait_for(|stop| *stop).await;
-    });
+    let stop = Drain::new();
+    let run = feed.run(handler, stop.started());
     tokio::pin!(run);
     tokio::pin!(shutdown);
     tokio::select! {
         result = &mut run => result,
         _ = &mut shutdown => {
-            let _ = stop_tx.send(true);
-            if status.bootstrapped.load(Ordering::SeqCst) {
+            stop.start();
+            if status.is_bootstrapped() {
                 run.await
             } else {
                 info!("stopping during the bootstrap");
@@ -150,10 +145,10 @@ async fn run_feed(
 
 /// Sweeps reloads once the feed reports them complete (a bootstrap that
 /// went live without any further change would otherwise never be swept).
-async fn watch_reloads(aggregator: Aggregator, mut stop: watch::Receiver<bool>) {
+async fn watch_reloads(aggregator: Aggregator, drain: Drain) {
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = drain.started() => return,
             _ = tokio::time::sleep(RELOAD_POLL) => {}
         }
         if let Err(e) = aggregator.finish_reloads().await {
@@ -166,7 +161,6 @@ async fn watch_reloads(aggregator: Aggregator, mut stop: watch::Receiver<bool>) 
 struct Http {
     aggregator: Aggregator,
     feed: Arc<FeedStatus>,
-    status: Arc<Status>,
 }
 
 /// A master card as JSON.
@@ -210,26 +204,33 @@ fn unavailable(e: &dyn std::fmt::Display) -> Response {
         .into_response()
 }
 
+/// The read API and the probes.
 fn router(state: Http) -> Router {
-    let router = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+    let probes = probes(&state);
+    Router::new()
         .route("/v1/cards/{region}/{product}", get(card))
         .route("/v1/places/{brand}/{place}/categories", get(categories))
-        .with_state(state);
-    shelfsync_telemetry::instrument(router)
+        .with_state(state)
+        .merge(probes.router())
 }
 
-/// Ready once bootstrapped and every reloaded place is swept.
-async fn readyz(State(h): State<Http>) -> (StatusCode, &'static str) {
-    if h.feed.bootstrapped.load(Ordering::SeqCst)
-        && h.status.pending_reloads.load(Ordering::SeqCst) == 0
-    {
-        (StatusCode::OK, "ready")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "bootstrapping")
-    }
+/// Ready once bootstrapped and every reloaded place is swept; before a
+/// scrape, the reloads still due and the feed's counters are brought up to
+/// date.
+fn probes(state: &Http) -> Probes {
+    let (feed, status) = (state.feed.clone(), state.aggregator.status());
+    let ready = move || {
+        if feed.is_bootstrapped() && status.pending_reloads.load(Ordering::SeqCst) == 0 {
+            Readiness::Ready("ready")
+        } else {
+            Readiness::NotReady("bootstrapping")
+        }
+    };
+    let (feed, status) = (state.feed.clone(), state.aggregator.status());
+    Probes::new(ready).refresh_metrics(move || {
+        crate::metrics::set_pending_reloads(status.pending_reloads.load(Ordering::Relaxed));
+        feed.record_metrics();
+    })
 }
 
 async fn card(
@@ -257,21 +258,4 @@ async fn categories(State(h): State<Http>, Path((brand, place)): Path<(i64, i64)
         Ok(list) => Json(list).into_response(),
         Err(e) => unavailable(&e),
     }
-}
-
-/// The process's Prometheus metrics, this instance's counters (the
-/// aggregator's and its feed's) brought up to date first.
-async fn metrics(State(h): State<Http>) -> String {
-    use shelfsync_telemetry::names::*;
-    let s = &h.status;
-    shelfsync_telemetry::render_metrics_after(|| {
-        metrics::counter!(AGGREGATOR_BATCHES).absolute(Status::get(&s.batches));
-        metrics::counter!(AGGREGATOR_CARDS_PUBLISHED).absolute(Status::get(&s.cards_published));
-        metrics::counter!(AGGREGATOR_FLIPS_PUBLISHED).absolute(Status::get(&s.flips_published));
-        metrics::counter!(AGGREGATOR_STALE_VERSIONS).absolute(Status::get(&s.stale_versions));
-        metrics::counter!(AGGREGATOR_FORGOTTEN).absolute(Status::get(&s.forgotten));
-        metrics::gauge!(AGGREGATOR_PENDING_RELOADS)
-            .set(s.pending_reloads.load(Ordering::Relaxed) as f64);
-        h.feed.record_metrics();
-    })
 }

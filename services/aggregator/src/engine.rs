@@ -23,13 +23,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prost::Message;
 use shelfsync_bus::{Publisher, Subjects};
 use shelfsync_feed::{FeedStatus, Handler, HandlerError, Update, UpdateKind};
-use shelfsync_proto::{AggregateChange, CategoryFlip, msg_type};
+use shelfsync_proto::{AggregateChange, CategoryFlip, msg_type, now_us};
 use shelfsync_settings::Settings;
 use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span};
@@ -37,26 +37,15 @@ use tracing::{Instrument, debug, info_span};
 use crate::aggregate::{
     self, Action, CardChange, Directory, Flip, Item, PlaceKey, Reload, card_msg_id, flip_msg_id,
 };
+use crate::metrics;
 use crate::store::{Store, StoreError};
 
-/// Counters for readiness, metrics and tests.
+/// What readiness and the scrape need to know of an instance (its
+/// counters are in `metrics`).
 #[derive(Debug, Default)]
 pub struct Status {
     /// Places being reloaded from a keyframe whose sweep is still due.
     pub pending_reloads: AtomicUsize,
-    pub batches: AtomicU64,
-    pub cards_published: AtomicU64,
-    pub flips_published: AtomicU64,
-    /// Record versions older than what was already counted.
-    pub stale_versions: AtomicU64,
-    /// Records forgotten at the end of a reload (gone from storage).
-    pub forgotten: AtomicU64,
-}
-
-impl Status {
-    pub fn get(c: &AtomicU64) -> u64 {
-        c.load(Ordering::Relaxed)
-    }
 }
 
 struct PendingReload {
@@ -80,12 +69,6 @@ struct Engine {
     retracted_ttl: Duration,
     feed: Option<Arc<FeedStatus>>,
     status: Arc<Status>,
-}
-
-fn now_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
 fn transient(what: &str) -> impl Fn(&dyn std::fmt::Display) -> HandlerError + '_ {
@@ -188,7 +171,7 @@ impl Engine {
         for p in places {
             self.reloads.remove(p);
         }
-        self.status.forgotten.fetch_add(forgotten as u64, Ordering::Relaxed);
+        metrics::forgotten(forgotten);
         self.status.pending_reloads.store(self.reloads.len(), Ordering::SeqCst);
     }
 
@@ -221,7 +204,7 @@ impl Engine {
         let wanted = wanted.into_iter().map(|(p, ids)| (p, ids.into_iter().collect())).collect();
         let mut seen = self.store.views(&wanted).await?;
         let mut plan = aggregate::plan(&items, &mut seen);
-        self.status.stale_versions.fetch_add(plan.stale as u64, Ordering::Relaxed);
+        metrics::stale_versions(plan.stale);
         let now = now_us();
         let recovered = leftover.len();
         for d in leftover {
@@ -247,9 +230,7 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("cards.changed", changes.len());
         span.record("categories.flipped", flips.len());
-        self.status.batches.fetch_add(1, Ordering::Relaxed);
-        self.status.cards_published.fetch_add(changes.len() as u64, Ordering::Relaxed);
-        self.status.flips_published.fetch_add(flips.len() as u64, Ordering::Relaxed);
+        metrics::batch(changes.len(), flips.len());
         debug!(
             cards = plan.cards.len(),
             places = plan.places.len(),

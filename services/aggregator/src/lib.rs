@@ -12,6 +12,7 @@
 //! - [`store`]: the Redis layout and its two scripts (Redis only);
 //! - [`engine`]: the feed handler — plan, apply, publish, record; crash
 //!   behaviour and keyframe reloads;
+//! - [`metrics`]: every metric it exports, recorded by typed functions;
 //! - [`App`]: wiring, the HTTP API, probes, graceful shutdown.
 //!
 //! It reads the change stream and writes only its own Redis keys and the
@@ -21,9 +22,9 @@
 pub mod aggregate;
 mod app;
 pub mod engine;
+pub mod metrics;
 pub mod store;
 
 pub use app::{App, feed_config};
 pub use engine::{Aggregator, Status};
-pub use shelfsync_telemetry::shutdown_signal;
 pub use store::{Store, StoreError};

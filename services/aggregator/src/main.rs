@@ -1,30 +1,9 @@
 //! `shelfsync-aggregator`: master cards and the category cache, from the
 //! change stream.
-use std::path::PathBuf;
-
-use clap::Parser;
-
-#[derive(Parser)]
-#[command(
-    name = "shelfsync-aggregator",
-    version,
-    about = "master cards (min price per product and region) and non-empty categories per place"
-)]
-struct Args {
-    /// TOML settings files, in order (repeat --config, or separate them with
-    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
-    /// SHELFSYNC__SECTION__KEY variables override them all.
-    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
-    config: Vec<PathBuf>,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
-    let _telemetry = shelfsync_telemetry::init("shelfsync-aggregator", &settings.telemetry)?;
-    shelfsync_aggregator::App::build(settings)
-        .await?
-        .run_until(shelfsync_aggregator::shutdown_signal())
-        .await
+    let about =
+        "master cards (min price per product and region) and non-empty categories per place";
+    shelfsync_service::main("shelfsync-aggregator", about, shelfsync_aggregator::App::build).await
 }

@@ -9,7 +9,7 @@
 //! publishes nothing.
 
 use std::collections::HashMap;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,11 +22,12 @@ use axum::body::Body;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::post;
 use futures::StreamExt;
 use serde_json::json;
+use shelfsync_service::{Drain, Probes, Readiness, Service, serve_with_peer_addr};
 use shelfsync_settings::{PartnerSettings, Settings};
-use tokio::sync::{Mutex, watch};
+use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_util::io::StreamReader;
 use tracing::{debug, info, warn};
@@ -66,10 +67,7 @@ impl App {
         let auth = Arc::new(auth);
         let settings = Arc::new(settings);
         let importer = Arc::new(Importer::connect_with(settings.clone(), true).await?);
-        let listen = &settings.ingest.listen;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
+        let listener = shelfsync_service::bind(&settings.ingest.listen).await?;
         let addr = listener.local_addr()?;
         let locks =
             settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
@@ -80,55 +78,54 @@ impl App {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+}
 
+impl Service for App {
     /// Serves and polls until `shutdown` completes, then lets running
     /// imports finish (up to a grace period).
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let (stop, stopped) = watch::channel(false);
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let drain = Drain::new();
         let mut pollers = JoinSet::new();
         for partner in &self.state.settings.partners {
             if let (Some(_), Some(_)) = (&partner.source, partner.poll_interval) {
-                pollers.spawn(poll_loop(self.state.clone(), partner.clone(), stopped.clone()));
+                pollers.spawn(poll_loop(self.state.clone(), partner.clone(), drain.clone()));
             }
         }
-        let router = axum::Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
-            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
-            .route("/v1/partners/{name}/feed", post(push))
-            .with_state(self.state.clone());
         // A push's import runs inside the request's span: its trace goes on
-        // from the client's `traceparent`.
-        let router = shelfsync_telemetry::instrument(router);
-        let mut wait = stopped.clone();
-        // The peer's address is what a refusal is logged once per.
-        let router = router.into_make_service_with_connect_info::<SocketAddr>();
-        let server = axum::serve(self.listener, router)
-            .with_graceful_shutdown(async move { _ = wait.wait_for(|s| *s).await })
-            .into_future();
-        let mut server = tokio::spawn(server);
+        // from the client's `traceparent`. The peer's address is what a
+        // refusal is logged once per.
+        let mut server = serve_with_peer_addr(self.listener, router(self.state.clone()), &drain);
         info!(addr = %self.addr, pollers = pollers.len(), "ingest running");
         tokio::select! {
             () = shutdown => info!("shutting down"),
             result = &mut server => {
-                _ = stop.send(true);
+                drain.start();
                 return Err(anyhow::anyhow!("the HTTP server stopped: {:?}", result));
             }
         }
-        _ = stop.send(true);
-        let drain = async {
+        drain.start();
+        let finish = async {
             _ = server.await;
             while pollers.join_next().await.is_some() {}
         };
-        if tokio::time::timeout(SHUTDOWN_GRACE, drain).await.is_err() {
+        if tokio::time::timeout(SHUTDOWN_GRACE, finish).await.is_err() {
             warn!(grace = ?SHUTDOWN_GRACE, "imports still running at shutdown were cut off (nothing swept)");
         }
         Ok(())
     }
 }
 
-async fn readyz(State(app): State<AppState>) -> StatusCode {
-    if app.importer.nats_connected() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
+/// The push API and the probes: ready while connected to NATS.
+fn router(state: AppState) -> axum::Router {
+    let importer = state.importer.clone();
+    let probes = Probes::new(move || Readiness::from_bool(importer.nats_connected()));
+    axum::Router::new()
+        .route("/v1/partners/{name}/feed", post(push))
+        .with_state(state)
+        .merge(probes.router())
 }
 
 fn error(status: StatusCode, message: String) -> Response {
@@ -211,7 +208,7 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Imports `partner.source` every `poll_interval`, the first time at once.
-async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::Receiver<bool>) {
+async fn poll_loop(app: AppState, partner: PartnerSettings, drain: Drain) {
     let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else {
         return;
     };
@@ -224,7 +221,7 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
-            _ = stopped.wait_for(|s| *s) => return,
+            _ = drain.started() => return,
         }
         let Some(lock) = app.locks.get(&partner.name) else {
             return;
@@ -252,25 +249,5 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, mut stopped: watch::
             }
             Err(_) => {}
         }
-    }
-}
-
-/// Completes on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
-    let interrupt = async {
-        _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => _ = s.recv().await,
-            Err(_) => std::future::pending().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => {}
-        () = terminate => {}
     }
 }

@@ -31,7 +31,7 @@ use shelfsync_bus::{
 };
 use shelfsync_proto::{
     Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
-    SweepsRequest, msg_type,
+    SweepsRequest, msg_type, now_us,
 };
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_telemetry::names;
@@ -44,6 +44,10 @@ use crate::lease::{Holder, Lease};
 use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
 use crate::state::State;
+
+mod run;
+
+use run::Run;
 
 /// Events per message of the parser → publisher channel, and messages the
 /// channel holds: at most 4096 parsed events wait for the publisher.
@@ -148,7 +152,7 @@ impl Importer {
                 let (lease, started) = self.take_lease(partner, source.describe()).await;
                 (Some(lease), started)
             }
-            false => (None, now_micros()),
+            false => (None, now_us()),
         };
         let import_id = format!("{}-{started}", partner.name);
         let span =
@@ -208,9 +212,9 @@ impl Importer {
         what: String,
     ) -> (Result<Lease, ImportError>, i64) {
         let ttl = self.settings.ingest.import_lease_ttl;
-        let mut started = now_micros();
+        let mut started = now_us();
         let holder = || {
-            started = now_micros();
+            started = now_us();
             Holder::this_process(&format!("{}-{started}", partner.name), &what)
         };
         let lease = Lease::take(&self.state, &partner.name, ttl, self.lease_wait, holder).await;
@@ -293,274 +297,6 @@ impl Importer {
     }
 }
 
-/// What the parser thread sends: commands are built there, off the runtime.
-enum Event {
-    Place(i64),
-    Command(Command),
-    Reject(i64, Rejection),
-}
-
-/// Counts raw feed bytes for progress and the report.
-struct Counting<R> {
-    inner: R,
-    count: Arc<AtomicU64>,
-}
-
-impl<R: Read> Read for Counting<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.count.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
-    }
-}
-
-/// The state of one running import on the publishing side.
-struct Run<'a> {
-    partner: &'a PartnerSettings,
-    subjects: &'a Subjects,
-    partitions: u32,
-    publisher: Publisher,
-    batcher: CommandBatcher,
-    /// Batches published per partition, for deterministic message ids.
-    batch_seq: HashMap<Partition, u64>,
-    /// Rejections waiting, all of one place.
-    rejects: (i64, Vec<Rejection>),
-    reject_seq: u64,
-    /// Places seen, with how many of their items were accepted.
-    places: BTreeMap<i64, u64>,
-    report: &'a mut ImportReport,
-}
-
-impl Run<'_> {
-    /// Parses on a blocking thread and publishes what it sends. Commands of
-    /// good items before a feed error are still published (they are valid
-    /// PATCHes); the error is returned after.
-    async fn pipeline(
-        &mut self,
-        reader: FeedReader,
-        cfg: &shelfsync_settings::IngestSettings,
-        progress: ProgressFn<'_>,
-    ) -> Result<(), ImportError> {
-        let bytes_in = Arc::new(AtomicU64::new(0));
-        let (tx, mut rx) = mpsc::channel::<Vec<Event>>(CHANNEL_CHUNKS);
-        let rules = ItemRules {
-            brand_id: self.partner.brand_id,
-            owned: OwnedFields::from_names(&self.partner.fields),
-            max_item_bytes: cfg.max_item_bytes,
-        };
-        let ctx = CommandContext {
-            brand_id: self.partner.brand_id,
-            generation: self.report.generation,
-            clear_missing: self.partner.clear_missing,
-            source: self.partner.name.clone(),
-            import_id: self.report.import_id.clone(),
-        };
-        let format = self.partner.format;
-        let reader = Counting { inner: reader, count: bytes_in.clone() };
-        let parser = tokio::task::spawn_blocking(move || {
-            let mut chunk = Vec::with_capacity(CHUNK);
-            let mut sink = |event: FeedEvent| {
-                chunk.push(match event {
-                    FeedEvent::Place(place) => Event::Place(place),
-                    FeedEvent::Item(item) => Event::Command(to_command(item, &ctx, now_micros())),
-                    FeedEvent::Reject(r) => {
-                        Event::Reject(r.place_id.unwrap_or(0), to_rejection(r, &ctx, now_micros()))
-                    }
-                });
-                if chunk.len() >= CHUNK {
-                    tx.blocking_send(std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK)))
-                        .map_err(|_| Stopped)?;
-                }
-                Ok(())
-            };
-            let result = parse_feed(reader, format, &rules, &mut sink);
-            if !chunk.is_empty() {
-                let _ = tx.blocking_send(chunk);
-            }
-            result
-        });
-
-        let mut last_progress = Instant::now();
-        let mut published = Ok(());
-        while let Some(events) = rx.recv().await {
-            if let Err(e) = self.handle(events).await {
-                published = Err(e);
-                break;
-            }
-            if let Some(callback) = progress
-                && last_progress.elapsed() >= PROGRESS_EVERY
-            {
-                last_progress = Instant::now();
-                callback(&self.progress(&bytes_in));
-            }
-        }
-        drop(rx); // a parser still running stops at its next send
-        let parsed = parser.await.map_err(|e| ImportError::Internal(e.to_string()))?;
-        self.report.bytes_in = bytes_in.load(Ordering::Relaxed);
-        metrics::counter!(names::INGEST_BYTES, "partner" => self.partner.name.clone())
-            .increment(self.report.bytes_in);
-        published?;
-        self.finish().await?;
-        if let Some(callback) = progress {
-            callback(&self.progress(&bytes_in));
-        }
-        parsed.map(drop).map_err(|e| ImportError::from_feed(e, &self.report.source))
-    }
-
-    fn progress(&self, bytes_in: &AtomicU64) -> Progress {
-        Progress {
-            bytes_in: bytes_in.load(Ordering::Relaxed),
-            items: self.report.items,
-            rejected: self.report.rejected_total,
-            batches: self.report.batches,
-        }
-    }
-
-    async fn handle(&mut self, events: Vec<Event>) -> Result<(), ImportError> {
-        let items = events.iter().filter(|e| matches!(e, Event::Command(_))).count();
-        metrics::counter!(names::INGEST_ITEMS, "partner" => self.partner.name.clone())
-            .increment(items as u64);
-        for event in events {
-            match event {
-                Event::Place(place) => {
-                    self.places.entry(place).or_default();
-                }
-                Event::Command(command) => {
-                    self.report.items += 1;
-                    if let Some(k) = &command.key {
-                        *self.places.entry(k.place_id).or_default() += 1;
-                    }
-                    for (partition, batch) in self.batcher.push(command) {
-                        self.publish_batch(partition, batch).await?;
-                    }
-                }
-                Event::Reject(place, rejection) => self.reject(place, rejection).await?,
-            }
-        }
-        Ok(())
-    }
-
-    async fn publish_batch(
-        &mut self,
-        partition: Partition,
-        batch: CommandBatch,
-    ) -> Result<(), ImportError> {
-        let seq = self.batch_seq.entry(partition).or_default();
-        let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
-        *seq += 1;
-        self.report.batches += 1;
-        self.report.commands += batch.commands.len() as u64;
-        self.publish_cmd(partition, msg_id, batch).await
-    }
-
-    async fn publish_cmd(
-        &mut self,
-        partition: Partition,
-        msg_id: String,
-        batch: CommandBatch,
-    ) -> Result<(), ImportError> {
-        let payload = Bytes::from(batch.encode_to_vec());
-        self.report.bytes_out += payload.len() as u64;
-        let subject = self.subjects.cmd(partition);
-        let span = shelfsync_telemetry::send_span!(
-            "ingest.send",
-            self.subjects.template(&subject),
-            subject,
-            messaging.message.id = %msg_id,
-            shelfsync.command_count = batch.commands.len(),
-            shelfsync.sweep_count = batch.sweeps.len(),
-        );
-        let kind = msg_type::COMMAND_BATCH;
-        self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
-        Ok(())
-    }
-
-    /// Rejections go out in batches of one place (0: unknown), in feed order.
-    async fn reject(&mut self, place: i64, rejection: Rejection) -> Result<(), ImportError> {
-        metrics::counter!(names::REJECTS, "reason" => rejection.reason.clone()).increment(1);
-        *self.report.rejected.entry(rejection.reason.clone()).or_default() += 1;
-        self.report.rejected_total += 1;
-        if self.rejects.0 != place || self.rejects.1.len() >= REJECTS_PER_BATCH {
-            self.flush_rejects().await?;
-            self.rejects.0 = place;
-        }
-        self.rejects.1.push(rejection);
-        Ok(())
-    }
-
-    async fn flush_rejects(&mut self) -> Result<(), ImportError> {
-        let rejections = std::mem::take(&mut self.rejects.1);
-        if rejections.is_empty() {
-            return Ok(());
-        }
-        let msg_id = format!("{}:rej:{}", self.report.import_id, self.reject_seq);
-        self.reject_seq += 1;
-        let subject = self.subjects.rejects(self.partner.brand_id, self.rejects.0);
-        let span = shelfsync_telemetry::send_span!(
-            "ingest.send",
-            self.subjects.template(&subject),
-            subject,
-            messaging.message.id = %msg_id,
-            shelfsync.rejection_count = rejections.len(),
-        );
-        let payload = Bytes::from(RejectionBatch { rejections }.encode_to_vec());
-        let kind = msg_type::REJECTION_BATCH;
-        self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
-        Ok(())
-    }
-
-    /// Publishes what is still batched and waits for every ack.
-    async fn finish(&mut self) -> Result<(), ImportError> {
-        for (partition, batch) in self.batcher.drain() {
-            self.publish_batch(partition, batch).await?;
-        }
-        self.flush_rejects().await?;
-        self.publisher.flush().await?;
-        self.report.places = self.places.len() as u64;
-        Ok(())
-    }
-
-    /// One sweep per place seen and per place of an earlier import missing
-    /// from this one (`known`), each on its place's partition, after every
-    /// command of the import is acked (so storage applies them first). Each
-    /// carries its evidence (items accepted, the partner's
-    /// `sweep_max_fraction`), from which storage decides to apply or hold it.
-    /// Returns the places swept.
-    async fn sweep(&mut self, known: &BTreeSet<i64>) -> Result<Vec<i64>, ImportError> {
-        let brand_id = self.partner.brand_id;
-        let mut places: BTreeMap<i64, (u64, bool)> =
-            known.iter().map(|&p| (p, (0, true))).collect();
-        for (&place, &accepted) in &self.places {
-            places.insert(place, (accepted, false));
-        }
-        for (&place_id, &(accepted, missing)) in &places {
-            let partition = partition_of(brand_id, place_id, self.partitions);
-            let batch = CommandBatch {
-                partition: partition.0,
-                commands: Vec::new(),
-                sweeps: vec![Sweep {
-                    brand_id,
-                    place_id,
-                    generation: self.report.generation,
-                    source: self.partner.name.clone(),
-                    import_id: self.report.import_id.clone(),
-                    guard: Some(SweepGuard {
-                        accepted,
-                        max_fraction: self.partner.sweep_max_fraction,
-                        missing,
-                    }),
-                    release_held: false,
-                }],
-            };
-            let msg_id = format!("{}:sweep:{place_id}", self.report.import_id);
-            self.publish_cmd(partition, msg_id, batch).await?;
-            self.report.sweeps += 1;
-        }
-        self.publisher.flush().await?;
-        Ok(places.into_keys().collect())
-    }
-}
-
 impl Importer {
     /// Waits (up to `ingest.sweep_report_wait`) for storage to decide the
     /// import's sweeps and puts the outcomes in the report: applied, held
@@ -640,8 +376,4 @@ impl Importer {
         }
         Ok(())
     }
-}
-
-fn now_micros() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
 }

@@ -31,7 +31,7 @@ mod report;
 mod source;
 mod state;
 
-pub use app::{App, shutdown_signal};
+pub use app::App;
 pub use import::{Importer, ProgressFn};
 pub use report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 pub use source::{Source, Validators};

@@ -10,6 +10,7 @@ use prost::Message;
 use shelfsync_bus::{Subjects, partition_of};
 use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, Importer, Source};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, RejectionBatch};
+use shelfsync_service::Service as _;
 use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::{TestEnv, eventually};
 

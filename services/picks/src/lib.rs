@@ -12,16 +12,17 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
 use shelfsync_feed::{
     ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update, is_offered,
 };
+use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::Settings;
 
 /// One discounted offer.
@@ -94,64 +95,74 @@ impl Handler for Picks {
     }
 }
 
-#[derive(Clone)]
-struct Http {
-    picks: Picks,
-    status: Arc<FeedStatus>,
-}
-
-/// Builds the HTTP API over the picks, traced and measured.
+/// The HTTP API over the picks, with the probes: ready once the feed has
+/// bootstrapped.
 fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
-    let router = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
-        .route(
-            "/readyz",
-            get(|State(h): State<Http>| async move {
-                if h.status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst) {
-                    StatusCode::OK
-                } else {
-                    StatusCode::SERVICE_UNAVAILABLE
-                }
-            }),
-        )
+    let probes = Probes::new(move || Readiness::from_bool(status.is_bootstrapped()));
+    Router::new()
         .route(
             "/v1/picks/{brand}/{place}",
-            get(|State(h): State<Http>, Path((b, p)): Path<(i64, i64)>| async move {
-                Json(h.picks.of_place(b, p))
+            get(|State(picks): State<Picks>, Path((b, p)): Path<(i64, i64)>| async move {
+                Json(picks.of_place(b, p))
             }),
         )
-        .with_state(Http { picks, status });
-    shelfsync_telemetry::instrument(router)
+        .with_state(picks)
+        .merge(probes.router())
 }
 
-/// Runs the feed and the HTTP API on `listener` until `shutdown` resolves.
-pub async fn run(
-    settings: Settings,
-    listener: tokio::net::TcpListener,
+/// The service: built from its settings and where to listen, then run
+/// until told to stop (the shape every shelfsync service has).
+pub struct App {
+    client: async_nats::Client,
+    feed: ChangeFeed,
     picks: Picks,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
-    // One consumer per instance: each rebuilds its picks from a keyframe.
-    let name = format!("picks-{}", std::process::id());
-    let cfg = FeedConfig { metric_label: "picks".into(), ..FeedConfig::new(name) };
-    let mut feed = ChangeFeed::new(client, &settings, cfg);
-    let app = router(picks.clone(), feed.status());
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http = tokio::spawn(async move {
-        let mut rx = stop_rx;
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.changed().await;
-            })
-            .await
-    });
-    let mut handler = picks;
-    feed.run(&mut handler, shutdown).await?;
-    let _ = stop_tx.send(true);
-    http.await??;
-    Ok(())
+    http: tokio::net::TcpListener,
+}
+
+impl App {
+    /// Connects to NATS (retrying in the background) and binds `listen`.
+    pub async fn build(settings: Settings, listen: &str) -> anyhow::Result<App> {
+        let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
+        // One consumer per instance: each rebuilds its picks from a keyframe.
+        let name = format!("picks-{}", std::process::id());
+        let cfg = FeedConfig {
+            metric_label: "picks".into(),
+            keyframe_responders: settings.storage.replicas,
+            ..FeedConfig::new(name)
+        };
+        let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
+        let http = shelfsync_service::bind(listen).await?;
+        Ok(App { client, feed, picks: Picks::default(), http })
+    }
+
+    /// Where the HTTP API listens (useful with port 0).
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.local_addr().expect("a bound listener has an address")
+    }
+
+    /// The picks the service serves (its feed is their only writer).
+    pub fn picks(&self) -> Picks {
+        self.picks.clone()
+    }
+}
+
+impl Service for App {
+    /// Runs the feed and the HTTP API until `shutdown` resolves: then the
+    /// feed finishes the message in hand and HTTP drains.
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let App { client, mut feed, picks, http } = self;
+        let drain = Drain::new();
+        let http = serve(http, router(picks.clone(), feed.status()), &drain);
+        let mut handler = picks;
+        let fed = feed.run(&mut handler, shutdown).await;
+        drain.start();
+        http.await??;
+        shelfsync_bus::close(&client).await;
+        Ok(fed?)
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `shelfsync-picks`: the example ChangeFeed service (discounted picks).
-use std::path::PathBuf;
 
 use clap::Parser;
+use shelfsync_service::{ConfigArgs, Service};
 
 #[derive(Parser)]
 #[command(
@@ -10,11 +10,8 @@ use clap::Parser;
     about = "discounted picks per place, from the change stream"
 )]
 struct Args {
-    /// TOML settings files, in order (repeat --config, or separate them with
-    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
-    /// SHELFSYNC__SECTION__KEY variables override them all.
-    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
-    config: Vec<PathBuf>,
+    #[command(flatten)]
+    config: ConfigArgs,
     /// HTTP listen address.
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -23,9 +20,9 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
-    let _telemetry = shelfsync_telemetry::init("shelfsync-picks", &settings.telemetry)?;
-    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-    let picks = shelfsync_picks::Picks::default();
-    shelfsync_picks::run(settings, listener, picks, shelfsync_telemetry::shutdown_signal()).await
+    let (settings, _telemetry) = shelfsync_service::start("shelfsync-picks", &args.config)?;
+    shelfsync_picks::App::build(settings, &args.listen)
+        .await?
+        .run_until(shelfsync_service::shutdown_signal())
+        .await
 }

@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use shelfsync_bus::Subjects;
 use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus};
+use shelfsync_service::{Drain, Service, serve};
 use shelfsync_settings::Settings;
-use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::feed::{IndexHandler, SharedIndex};
@@ -42,19 +42,20 @@ fn feed_name() -> String {
 impl App {
     /// Connects to NATS and binds the HTTP listener; starts nothing yet.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
-        shelfsync_telemetry::install_metrics();
+        crate::metrics::register();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-recommender", true)
             .await
             .with_context(|| {
                 format!("cannot connect to NATS at {}", settings.nats.url_redacted())
             })?;
-        let listen = &settings.recommender.http_listen;
-        let http = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
+        let http = shelfsync_service::bind(&settings.recommender.http_listen).await?;
         let feed_name = feed_name();
-        let cfg = FeedConfig { metric_label: "recommender".into(), ..FeedConfig::new(&feed_name) };
-        let feed = ChangeFeed::new(client.clone(), &settings, cfg);
+        let cfg = FeedConfig {
+            metric_label: "recommender".into(),
+            keyframe_responders: settings.storage.replicas,
+            ..FeedConfig::new(&feed_name)
+        };
+        let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
         let api =
             Api::new(SharedIndex::default(), feed.status(), Limits::from(&settings.recommender));
         Ok(App {
@@ -79,11 +80,16 @@ impl App {
     pub fn index(&self) -> SharedIndex {
         self.api.index().clone()
     }
+}
 
+impl Service for App {
     /// Runs until `shutdown` resolves (or the feed fails): then leaves the
     /// NATS queue group, finishes the change message in hand, drains HTTP
     /// and flushes the connection.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let App { client, subjects, http, mut feed, feed_name, api } = self;
         info!(
             http = %http.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
@@ -91,52 +97,56 @@ impl App {
             feed = %feed_name,
             "recommender starting"
         );
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let stopped = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        };
-        let http_task = tokio::spawn(
-            axum::serve(http, crate::http::router(api.clone()))
-                .with_graceful_shutdown(stopped(stop_rx.clone()))
-                .into_future(),
-        );
+        let drain = Drain::new();
+        let http_task = serve(http, crate::http::router(api.clone()), &drain);
         let nats_task = tokio::spawn(crate::nats::serve(
             api.clone(),
             client.clone(),
             subjects.recommend_top(),
-            stop_rx.clone(),
+            drain.clone(),
         ));
-
         let mut handler = IndexHandler::new(api.index().clone());
-        let result = {
-            let run = feed.run(&mut handler, stopped(stop_rx.clone()));
-            tokio::pin!(run, shutdown);
-            let mut deadline: Option<tokio::time::Instant> = None;
-            loop {
-                let grace = tokio::time::sleep_until(deadline.unwrap_or_else(|| {
-                    tokio::time::Instant::now() + Duration::from_secs(24 * 3600)
-                }));
-                tokio::select! {
-                    r = &mut run => break r.context("change feed failed"),
-                    _ = &mut shutdown, if deadline.is_none() => {
-                        info!("recommender stopping");
-                        api.stop();
-                        let _ = stop_tx.send(true);
-                        deadline = Some(tokio::time::Instant::now() + FEED_STOP_GRACE);
-                    }
-                    _ = grace, if deadline.is_some() => {
-                        warn!(grace = ?FEED_STOP_GRACE, "change feed did not stop in time; leaving it");
-                        break Ok(());
-                    }
-                }
-            }
-        };
+        let result = run_feed(&mut feed, &mut handler, &api, &drain, shutdown).await;
         api.stop();
-        let _ = stop_tx.send(true);
+        drain.start();
         let _ = nats_task.await;
         let served = http_task.await.context("HTTP task panicked")?;
         shelfsync_bus::close(&client).await;
         served.context("HTTP server failed")?;
         result
+    }
+}
+
+/// Runs the feed until it fails, or until `shutdown` resolves: then the
+/// service stops answering and drains, and the feed gets
+/// [`FEED_STOP_GRACE`] to finish the message in hand.
+async fn run_feed(
+    feed: &mut ChangeFeed,
+    handler: &mut IndexHandler,
+    api: &Api,
+    drain: &Drain,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let run = feed.run(handler, drain.started());
+    tokio::pin!(run, shutdown);
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let grace = tokio::time::sleep_until(
+            deadline
+                .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(24 * 3600)),
+        );
+        tokio::select! {
+            r = &mut run => return r.context("change feed failed"),
+            _ = &mut shutdown, if deadline.is_none() => {
+                info!("recommender stopping");
+                api.stop();
+                drain.start();
+                deadline = Some(tokio::time::Instant::now() + FEED_STOP_GRACE);
+            }
+            _ = grace, if deadline.is_some() => {
+                warn!(grace = ?FEED_STOP_GRACE, "change feed did not stop in time; leaving it");
+                return Ok(());
+            }
+        }
     }
 }

@@ -21,6 +21,7 @@
 //! - `feed` — the ChangeFeed handler: which record versions are offers;
 //! - `query` — validation and the read API both transports share;
 //! - `http`, `nats` — the transports;
+//! - `metrics` — every metric it exports, recorded by typed functions;
 //! - `app` — wiring, run until stopped.
 #![forbid(unsafe_code)]
 
@@ -28,6 +29,7 @@ mod app;
 mod feed;
 mod http;
 pub mod index;
+pub mod metrics;
 mod nats;
 mod query;
 

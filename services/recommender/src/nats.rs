@@ -7,30 +7,25 @@
 //! and a client sees "no responders" rather than a partial answer when none
 //! can. It leaves the group first on shutdown.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_proto::{TopReply, TopRequest};
-use tokio::sync::watch;
+use shelfsync_service::Drain;
 use tracing::{error, info, warn};
 
+use crate::metrics::{self, Transport};
 use crate::query::Api;
 
 pub const QUEUE_GROUP: &str = "recommender";
 
-/// Serves `subject` until `stop` flips.
-pub async fn serve(
-    api: Api,
-    client: async_nats::Client,
-    subject: String,
-    mut stop: watch::Receiver<bool>,
-) {
+/// Serves `subject` until the drain starts.
+pub async fn serve(api: Api, client: async_nats::Client, subject: String, drain: Drain) {
     while !api.ready() {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-            _ = stop.changed() => return,
+            _ = drain.started() => return,
         }
     }
     let mut sub = match client.queue_subscribe(subject.clone(), QUEUE_GROUP.into()).await {
@@ -44,15 +39,15 @@ pub async fn serve(
     loop {
         let msg = tokio::select! {
             m = sub.next() => match m { Some(m) => m, None => break },
-            _ = stop.changed() => break,
+            _ = drain.started() => break,
         };
         let Some(reply_to) = msg.reply else { continue };
         // Answered inline: a query holds the read lock for microseconds.
         let reply = match TopRequest::decode(msg.payload.as_ref()) {
             Ok(req) => api.answer(req),
             Err(e) => {
-                api.stats.nats.fetch_add(1, Ordering::Relaxed);
-                api.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                metrics::query(Transport::Nats);
+                metrics::rejected();
                 TopReply { items: Vec::new(), error: format!("not a TopRequest: {e}") }
             }
         };

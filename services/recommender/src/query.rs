@@ -4,7 +4,7 @@
 //! never writes to the index.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use shelfsync_feed::FeedStatus;
 use shelfsync_proto::{Recommendation, TopReply, TopRequest};
@@ -12,6 +12,7 @@ use shelfsync_settings::RecommenderSettings;
 
 use crate::feed::SharedIndex;
 use crate::index::{PlaceKey, Query, TopItem};
+use crate::metrics::{self, Transport};
 
 /// Longest product id or category accepted (as storage's read API).
 pub const MAX_ID_BYTES: usize = 512;
@@ -157,14 +158,6 @@ impl From<TopItem> for Recommendation {
     }
 }
 
-/// Counters for `/metrics`.
-#[derive(Debug, Default)]
-pub struct QueryStats {
-    pub http: AtomicU64,
-    pub nats: AtomicU64,
-    pub rejected: AtomicU64,
-}
-
 /// The read side: answers validated queries from the shared index once the
 /// feed has bootstrapped. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -173,12 +166,11 @@ pub struct Api {
     feed: Arc<FeedStatus>,
     stopping: Arc<AtomicBool>,
     pub limits: Limits,
-    pub stats: Arc<QueryStats>,
 }
 
 impl Api {
     pub fn new(index: SharedIndex, feed: Arc<FeedStatus>, limits: Limits) -> Self {
-        Self { index, feed, stopping: Arc::default(), limits, stats: Arc::default() }
+        Self { index, feed, stopping: Arc::default(), limits }
     }
 
     /// Bootstrapped from keyframes and not shutting down.
@@ -211,14 +203,14 @@ impl Api {
 
     /// The NATS request/reply form: errors travel in `TopReply.error`.
     pub fn answer(&self, req: TopRequest) -> TopReply {
-        self.stats.nats.fetch_add(1, Ordering::Relaxed);
+        metrics::query(Transport::Nats);
         match TopQuery::from_request(req, self.limits).and_then(|q| self.top(&q)) {
             Ok(items) => TopReply {
                 items: items.into_iter().map(Into::into).collect(),
                 error: String::new(),
             },
             Err(e) => {
-                self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                metrics::rejected();
                 TopReply { items: Vec::new(), error: e.to_string() }
             }
         }

@@ -517,4 +517,4 @@ async fn serve_redrive_requests(
     }
 }
 
-pub use shelfsync_telemetry::shutdown_signal;
+pub use shelfsync_service::shutdown_signal;

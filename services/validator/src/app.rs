@@ -2,20 +2,15 @@
 //! change feed (one durable consumer shared by every replica) and the HTTP
 //! probes.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::Router;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
 use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
+use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::{Settings, ValidatorSettings};
-use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::handler::{Stats, Validator};
@@ -49,11 +44,9 @@ impl App {
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
         let rules = Rules::from_settings(&settings.validator.rules)?;
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-validator", true).await?;
-        let listen = &settings.validator.http_listen;
-        let http = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
-        let feed = ChangeFeed::new(client.clone(), &settings, feed_config(&settings.validator));
+        let http = shelfsync_service::bind(&settings.validator.http_listen).await?;
+        let feed =
+            ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings.validator));
         Ok(App {
             settings: Arc::new(settings),
             client,
@@ -76,51 +69,31 @@ impl App {
     pub fn feed_status(&self) -> Arc<FeedStatus> {
         self.feed.status()
     }
+}
 
+impl Service for App {
     /// Judges changes until `shutdown` resolves, then finishes the message in
     /// hand (its commands published, the message acked) and stops.
-    pub async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         info!(
             consumer = %self.settings.validator.consumer,
             rules = self.rules.len(),
             http = %self.http_addr(),
             "validator starting"
         );
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let http = tokio::spawn(
-            axum::serve(self.http, router(self.feed.status()))
-                .with_graceful_shutdown(stopped(stop_rx.clone()))
-                .into_future(),
-        );
+        let drain = Drain::new();
+        let http = serve(self.http, probes(self.feed.status()).router(), &drain);
         let mut handler =
             Validator::new(self.client.clone(), &self.settings, self.rules.clone(), self.stats);
-        let signal = async move {
+        let signal = async {
             shutdown.await;
             info!("shutting down: finishing the message in hand");
-            let _ = stop_tx.send(true);
+            drain.start();
         };
-        let feed = &mut self.feed;
-        let work = async {
-            // Bind (and re-bind) the feed until stopped: the streams may not
-            // exist yet (storage or `shelfsync setup` creates them). Not
-            // ready meanwhile.
-            let mut delay = Duration::from_millis(250);
-            loop {
-                let result = feed.run(&mut handler, stopped(stop_rx.clone())).await;
-                if *stop_rx.borrow() {
-                    return;
-                }
-                match result {
-                    Ok(()) => warn!("change feed ended; binding it again"),
-                    Err(e) => warn!(error = %e, retry_in = ?delay, "change feed unavailable"),
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = stopped(stop_rx.clone()) => return,
-                }
-                delay = (delay * 2).min(MAX_RETRY_DELAY);
-            }
-        };
+        let work = rebind_until_drained(&mut self.feed, &mut handler, &drain);
         tokio::join!(signal, work);
         http.await.context("HTTP task")?.context("HTTP server")?;
         shelfsync_bus::close(&self.client).await;
@@ -129,26 +102,36 @@ impl App {
     }
 }
 
-async fn stopped(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|stop| *stop).await;
+/// Binds (and re-binds) the feed until the drain starts: the streams may
+/// not exist yet (storage or `shelfsync setup` creates them). Not ready
+/// meanwhile.
+async fn rebind_until_drained(feed: &mut ChangeFeed, handler: &mut Validator, drain: &Drain) {
+    let mut delay = Duration::from_millis(250);
+    loop {
+        let result = feed.run(handler, drain.started()).await;
+        if drain.is_started() {
+            return;
+        }
+        match result {
+            Ok(()) => warn!("change feed ended; binding it again"),
+            Err(e) => warn!(error = %e, retry_in = ?delay, "change feed unavailable"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = drain.started() => return,
+        }
+        delay = (delay * 2).min(MAX_RETRY_DELAY);
+    }
 }
 
-/// `/healthz` (the process runs) and `/readyz` (the feed's consumer is
-/// bound: changes are being judged).
-fn router(status: Arc<FeedStatus>) -> Router {
-    let router = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
-        .route(
-            "/readyz",
-            get(|State(status): State<Arc<FeedStatus>>| async move {
-                if status.bootstrapped.load(Ordering::SeqCst) {
-                    (StatusCode::OK, "ready")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "change feed not bound yet")
-                }
-            }),
-        )
-        .with_state(status);
-    shelfsync_telemetry::instrument(router)
+/// `/healthz` (the process runs), `/readyz` (the feed's consumer is bound:
+/// changes are being judged) and `/metrics`.
+fn probes(status: Arc<FeedStatus>) -> Probes {
+    Probes::new(move || {
+        if status.is_bootstrapped() {
+            Readiness::Ready("ready")
+        } else {
+            Readiness::NotReady("change feed not bound yet")
+        }
+    })
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use prost::Message;
 use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Publisher, Subjects};
 use shelfsync_feed::{Handler, HandlerError, Update};
-use shelfsync_proto::{Command, CommandBatch, msg_type};
+use shelfsync_proto::{Command, CommandBatch, msg_type, now_us};
 use shelfsync_settings::Settings;
 use tracing::{Instrument, debug, info_span};
 
@@ -160,10 +160,4 @@ impl Handler for Validator {
     async fn reset_place(&mut self, _brand_id: i64, _place_id: i64) -> Result<(), HandlerError> {
         Ok(())
     }
-}
-
-fn now_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }

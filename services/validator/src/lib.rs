@@ -24,4 +24,3 @@ pub use app::{App, feed_config};
 pub use decide::{DECIDED_BY, Decision, decide};
 pub use handler::{Stats, Validator};
 pub use rules::{Rule, Rules, Violation};
-pub use shelfsync_telemetry::shutdown_signal;

@@ -1,25 +1,7 @@
 //! `shelfsync-validator`: hides offers that break the configured rules.
-use std::path::PathBuf;
-
-use clap::Parser;
-
-#[derive(Parser)]
-#[command(name = "shelfsync-validator", version, about = "shelfsync validator service")]
-struct Args {
-    /// TOML settings files, in order (repeat --config, or separate them with
-    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
-    /// SHELFSYNC__SECTION__KEY variables override them all.
-    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
-    config: Vec<PathBuf>,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
-    let _telemetry = shelfsync_telemetry::init("shelfsync-validator", &settings.telemetry)?;
-    shelfsync_validator::App::build(settings)
-        .await?
-        .run_until(shelfsync_validator::shutdown_signal())
-        .await
+    let about = "shelfsync validator service";
+    shelfsync_service::main("shelfsync-validator", about, shelfsync_validator::App::build).await
 }

@@ -42,7 +42,7 @@ use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::{ChangeBatch, KeyframeMark};
-use shelfsync_settings::Settings;
+use shelfsync_settings::NatsSettings;
 use tracing::{Instrument, debug, info, warn};
 
 pub use keyframes::KeyframeReader;
@@ -115,6 +115,9 @@ pub struct FeedConfig {
     pub bootstrap: Bootstrap,
     /// Ask storage for a keyframe when a bootstrap finds none.
     pub request_keyframe_if_missing: bool,
+    /// How many storage replicas answer such a request (each keyframes
+    /// the partitions it owns): the deployment's `storage.replicas`.
+    pub keyframe_responders: u32,
     pub ack_wait: Duration,
     /// Messages in flight to this consumer.
     pub max_ack_pending: i64,
@@ -131,6 +134,7 @@ impl FeedConfig {
             place: None,
             bootstrap: Bootstrap::Keyframe,
             request_keyframe_if_missing: true,
+            keyframe_responders: 1,
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
         }
@@ -157,6 +161,12 @@ impl FeedStatus {
         c.load(Ordering::Relaxed)
     }
 
+    /// True once the bootstrap is done (or was not needed): the feed is
+    /// live, what readiness probes wait for.
+    pub fn is_bootstrapped(&self) -> bool {
+        self.bootstrapped.load(Ordering::SeqCst)
+    }
+
     /// Publishes these counters as the process's `shelfsync_feed_*`
     /// metrics (one feed per service process); drift repairs are counted
     /// where they happen. Call it inside `render_metrics_after`.
@@ -173,20 +183,20 @@ pub struct ChangeFeed {
     client: async_nats::Client,
     js: jetstream::Context,
     subjects: Subjects,
-    replicas: u32,
     cfg: FeedConfig,
     state: FeedState,
     status: Arc<FeedStatus>,
 }
 
 impl ChangeFeed {
-    pub fn new(client: async_nats::Client, settings: &Settings, cfg: FeedConfig) -> Self {
+    /// A feed over the streams `nats` names (the only settings the kit
+    /// reads: the rest is in `cfg`).
+    pub fn new(client: async_nats::Client, nats: &NatsSettings, cfg: FeedConfig) -> Self {
         shelfsync_telemetry::install_metrics();
         Self {
-            js: shelfsync_bus::jetstream(client.clone(), &settings.nats),
+            js: shelfsync_bus::jetstream(client.clone(), nats),
             client,
-            subjects: Subjects::new(&settings.nats.prefix),
-            replicas: settings.storage.replicas,
+            subjects: Subjects::new(&nats.prefix),
             cfg,
             state: FeedState::default(),
             status: Arc::default(),
@@ -276,7 +286,7 @@ impl ChangeFeed {
                 &self.client,
                 &self.subjects,
                 place,
-                self.replicas,
+                self.cfg.keyframe_responders,
                 Duration::from_secs(600),
             )
             .await

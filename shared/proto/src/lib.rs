@@ -2,7 +2,8 @@
 //! from `proto/`.
 //!
 //! Owns the message types and the names of message types carried in the
-//! `Shelfsync-Type` header. Holds no logic beyond small constructors.
+//! `Shelfsync-Type` header. Holds no logic beyond small constructors and
+//! the clock its timestamps are read from ([`now_us`]).
 #![forbid(unsafe_code)]
 
 #[allow(clippy::all, missing_docs)]
@@ -14,6 +15,14 @@ pub mod json;
 
 pub use prost::Message;
 pub use v1::*;
+
+/// Now, as the contract's timestamps count time: microseconds since the
+/// Unix epoch (0 before it, `i64::MAX` past the year 294,000).
+pub fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
 
 /// Top-level field numbers of `Product`, for `clear_data_fields` and
 /// `changed_data_fields`.

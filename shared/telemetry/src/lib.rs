@@ -1,6 +1,6 @@
 //! Process plumbing for every shelfsync binary: tracing initialisation,
 //! OpenTelemetry export, trace context in NATS and HTTP headers, HTTP server
-//! instrumentation, Prometheus metrics and the shutdown signal.
+//! instrumentation and Prometheus metrics.
 //!
 //! - [`init`] installs the subscriber — env filter, text or JSON lines (with
 //!   `trace_id` / `span_id`), and the OpenTelemetry layer exporting OTLP when
@@ -282,29 +282,6 @@ macro_rules! process_span {
             $($($field)*)?
         )
     }};
-}
-
-/// Resolves on SIGTERM or SIGINT: the start of a graceful shutdown.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutdown signal received");
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
 
 #[cfg(test)]

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-/// Metric names shared by the services and the dashboards.
+/// Metric names shared by the services and the dashboards. A service whose
+/// metrics are its own alone keeps them in its own `metrics` module (the
+/// aggregator's, the recommender's).
 pub mod names {
     /// 1, labels `version` (the workspace version) and `service`.
     pub const BUILD_INFO: &str = "shelfsync_build_info";
@@ -74,29 +76,6 @@ pub mod names {
     pub const FEED_POSITION: &str = "shelfsync_feed_position";
     /// Validator: hide / un-hide decisions, label `decision`.
     pub const VALIDATOR_DECISIONS: &str = "shelfsync_validator_decisions_total";
-    /// Aggregator: change messages handled.
-    pub const AGGREGATOR_BATCHES: &str = "shelfsync_aggregator_batches_total";
-    /// Aggregator: master card changes published.
-    pub const AGGREGATOR_CARDS_PUBLISHED: &str = "shelfsync_aggregator_cards_published_total";
-    /// Aggregator: category flips published.
-    pub const AGGREGATOR_FLIPS_PUBLISHED: &str =
-        "shelfsync_aggregator_category_flips_published_total";
-    /// Aggregator: changes ignored as older than what it holds.
-    pub const AGGREGATOR_STALE_VERSIONS: &str = "shelfsync_aggregator_stale_versions_total";
-    /// Aggregator: records forgotten (absent, purged, place reset).
-    pub const AGGREGATOR_FORGOTTEN: &str = "shelfsync_aggregator_forgotten_records_total";
-    /// Aggregator: reloaded places not yet swept.
-    pub const AGGREGATOR_PENDING_RELOADS: &str = "shelfsync_aggregator_pending_reloads";
-    /// Recommender: 1 once bootstrapped.
-    pub const RECOMMENDER_READY: &str = "shelfsync_recommender_ready";
-    /// Recommender: offers in the index.
-    pub const RECOMMENDER_OFFERS: &str = "shelfsync_recommender_offers";
-    /// Recommender: places with an offer.
-    pub const RECOMMENDER_PLACES: &str = "shelfsync_recommender_places";
-    /// Recommender: top-N queries answered, label `transport` (`http`, `nats`).
-    pub const RECOMMENDER_QUERIES: &str = "shelfsync_recommender_queries_total";
-    /// Recommender: queries refused (bad input, not ready).
-    pub const RECOMMENDER_REJECTED_QUERIES: &str = "shelfsync_recommender_rejected_queries_total";
     /// Storage: outbox entries a retried relay found already stored (by
     /// message id, past any dedup window) and did not publish again.
     pub const OUTBOX_ALREADY_STORED: &str = "shelfsync_outbox_already_stored_total";
@@ -243,17 +222,6 @@ fn describe() {
     describe_counter!(FEED_POISON, "Change messages dropped as undecodable");
     describe_gauge!(FEED_POSITION, "CHANGES stream sequence last handled");
     describe_counter!(VALIDATOR_DECISIONS, "Validator decisions, by decision (hide, unhide)");
-    describe_counter!(AGGREGATOR_BATCHES, "Change messages handled by the aggregator");
-    describe_counter!(AGGREGATOR_CARDS_PUBLISHED, "Master card changes published");
-    describe_counter!(AGGREGATOR_FLIPS_PUBLISHED, "Category flips published");
-    describe_counter!(AGGREGATOR_STALE_VERSIONS, "Changes older than what the aggregator holds");
-    describe_counter!(AGGREGATOR_FORGOTTEN, "Records the aggregator forgot");
-    describe_gauge!(AGGREGATOR_PENDING_RELOADS, "Reloaded places not yet swept");
-    describe_gauge!(RECOMMENDER_READY, "1 once the recommender is bootstrapped");
-    describe_gauge!(RECOMMENDER_OFFERS, "Offers in the recommender's index");
-    describe_gauge!(RECOMMENDER_PLACES, "Places with an offer in the recommender's index");
-    describe_counter!(RECOMMENDER_QUERIES, "Top-N queries answered, by transport");
-    describe_counter!(RECOMMENDER_REJECTED_QUERIES, "Queries refused (bad input, not ready)");
     describe_counter!(
         OUTBOX_ALREADY_STORED,
         "Outbox entries a retried relay found already on the stream and did not publish again"
