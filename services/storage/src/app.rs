@@ -29,7 +29,7 @@ use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
 use crate::read::ReadApi;
 use crate::stats::{Readiness, Stats};
 use crate::store::Store;
-use crate::worker::Worker;
+use crate::worker::{Shared, Worker};
 
 /// How long the workers may take to finish the messages in hand once
 /// shutdown starts (below Kubernetes' default 30 s grace period).
@@ -179,31 +179,23 @@ impl App {
             self.settings.storage.keyframe_rate,
             self.settings.storage.keyframe_yield_after,
         );
+        let shared = Shared {
+            settings: self.settings.clone(),
+            subjects: subjects.clone(),
+            js: self.js.clone(),
+            store: self.store.clone(),
+            stats: self.stats.clone(),
+            max_bytes,
+            ready: self.ready.clone(),
+            keyframe_limits,
+        };
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
-            let worker = Worker {
-                partition: Partition(p),
-                settings: self.settings.clone(),
-                subjects: subjects.clone(),
-                js: self.js.clone(),
-                store: self.store.clone(),
-                stats: self.stats.clone(),
-                max_bytes,
-                ready: self.ready.clone(),
-                keyframe_limits: keyframe_limits.clone(),
-                changed_since_freeze: Default::default(),
-                committed_through: Default::default(),
-                ahead_paused_until: Default::default(),
-                stream_identity: Default::default(),
-                known: std::sync::Mutex::new(crate::known::Known::new(
-                    self.settings.storage.known_records,
-                )),
-            };
-            let worker = Arc::new(worker);
+            let worker = Arc::new(Worker::new(Partition(p), &shared));
             let rx = stop_rx.clone();
             tasks.spawn(async move {
-                let p = worker.partition;
+                let p = worker.partition();
                 if let Err(e) = worker.run(rx, job_rx).await {
                     error!(partition = %p, error = format!("{e:#}"), "partition worker stopped");
                     return Err(e);

@@ -326,7 +326,7 @@ fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
 impl Store {
     /// Reads where the partition stands and every record the batch's
     /// commands touch: one HMGET per place for records and one for
-    /// generations. Sweeps are not loaded here (see `crate::sweep`).
+    /// generations. Sweeps are not loaded here (see `crate::worker::sweep`).
     pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
         let (touched_keys, _) = touched(batch);
