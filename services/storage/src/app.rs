@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use bytes::Bytes;
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
@@ -354,18 +355,23 @@ async fn schedule_keyframes(
     }
 }
 
-/// Answers `KeyframeRequest`s on `<prefix>.ctl.keyframe`: every replica
-/// keyframes the places it owns and replies when done.
-async fn serve_keyframe_requests(
+/// Answers the requests of one control subject until `stop`: each request
+/// with a reply subject goes to `handle`, and what it answers (if anything:
+/// a handler may reply later by itself) is published as the reply. `what`
+/// names the requests in logs.
+async fn serve_requests<Fut>(
     client: async_nats::Client,
-    subjects: Subjects,
-    keyframer: Keyframer,
+    subject: String,
+    what: &'static str,
     mut stop: watch::Receiver<bool>,
-) {
-    let mut sub = match client.subscribe(subjects.ctl_keyframe()).await {
+    mut handle: impl FnMut(Bytes, async_nats::Subject) -> Fut,
+) where
+    Fut: Future<Output = Option<Vec<u8>>>,
+{
+    let mut sub = match client.subscribe(subject).await {
         Ok(s) => s,
         Err(e) => {
-            error!(error = %e, "cannot subscribe to keyframe requests");
+            error!(error = %e, "cannot subscribe to {what} requests");
             return;
         }
     };
@@ -375,37 +381,64 @@ async fn serve_keyframe_requests(
             _ = stop.changed() => return,
         };
         let Some(reply_to) = msg.reply.clone() else { continue };
-        let req = match KeyframeRequest::decode(msg.payload.as_ref()) {
-            Ok(r) => r,
-            Err(e) => {
-                let reply = KeyframeReply {
-                    error: format!("bad KeyframeRequest: {e}"),
-                    ..Default::default()
-                };
-                let _ = client.publish(reply_to, reply.encode_to_vec().into()).await;
-                continue;
-            }
-        };
-        let id = if req.keyframe_id.is_empty() {
-            keyframe_id_at(chrono::Utc::now().timestamp_micros())
-        } else {
-            req.keyframe_id.clone()
-        };
-        let place =
-            (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
-        let Some(done) = keyframer.start(id, place).await else { continue };
-        let client = client.clone();
-        tokio::spawn(async move {
-            match done.await {
-                Ok(reply) => {
-                    if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-                        warn!(error = %e, "cannot reply to keyframe request");
-                    }
-                }
-                Err(_) => warn!("keyframe abandoned before completion"),
-            }
-        });
+        let Some(reply) = handle(msg.payload, reply_to.clone()).await else { continue };
+        if let Err(e) = client.publish(reply_to, reply.into()).await {
+            warn!(error = %e, "cannot reply to a {what} request");
+        }
     }
+}
+
+/// Answers `KeyframeRequest`s on `<prefix>.ctl.keyframe`: every replica
+/// keyframes the places it owns and replies when done.
+async fn serve_keyframe_requests(
+    client: async_nats::Client,
+    subjects: Subjects,
+    keyframer: Keyframer,
+    stop: watch::Receiver<bool>,
+) {
+    let replier = client.clone();
+    let handle = |payload: Bytes, reply_to: async_nats::Subject| {
+        let (keyframer, client) = (keyframer.clone(), replier.clone());
+        async move { start_keyframe(&keyframer, client, payload, reply_to).await }
+    };
+    serve_requests(client, subjects.ctl_keyframe(), "keyframe", stop, handle).await;
+}
+
+/// Starts the keyframe a `KeyframeRequest` asks for; the reply goes out
+/// when it is done (`None` here), or at once if the request is bad.
+async fn start_keyframe(
+    keyframer: &Keyframer,
+    client: async_nats::Client,
+    payload: Bytes,
+    reply_to: async_nats::Subject,
+) -> Option<Vec<u8>> {
+    let req = match KeyframeRequest::decode(payload) {
+        Ok(r) => r,
+        Err(e) => {
+            let error = format!("bad KeyframeRequest: {e}");
+            return Some(KeyframeReply { error, ..Default::default() }.encode_to_vec());
+        }
+    };
+    let id = if req.keyframe_id.is_empty() {
+        keyframe_id_at(chrono::Utc::now().timestamp_micros())
+    } else {
+        req.keyframe_id.clone()
+    };
+    let place =
+        (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+    let done = keyframer.start(id, place).await?;
+    // Replied when the keyframe is done; the next request is served meanwhile.
+    tokio::spawn(async move {
+        match done.await {
+            Ok(reply) => {
+                if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+                    warn!(error = %e, "cannot reply to keyframe request");
+                }
+            }
+            Err(_) => warn!("keyframe abandoned before completion"),
+        }
+    });
+    None
 }
 
 /// Answers `RebaseRequest`s on `<prefix>.ctl.rebase`: the partitions of
@@ -418,45 +451,43 @@ async fn serve_rebase_requests(
     store: Store,
     ready: Arc<Readiness>,
     replica: u32,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    let mut sub = match client.subscribe(subjects.ctl_rebase()).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!(error = %e, "cannot subscribe to rebase requests");
-            return;
+    let handle = |payload: Bytes, _| {
+        let (store, ready) = (store.clone(), ready.clone());
+        async move {
+            let mut reply = RebaseReply { replica, ..Default::default() };
+            match RebaseRequest::decode(payload) {
+                Err(e) => reply.error = format!("bad RebaseRequest: {e}"),
+                Ok(req) => rebase_refused(&store, &ready, &req, &mut reply).await,
+            }
+            Some(reply.encode_to_vec())
         }
     };
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => return },
-            _ = stop.changed() => return,
-        };
-        let Some(reply_to) = msg.reply.clone() else { continue };
-        let mut reply = RebaseReply { replica, ..Default::default() };
-        match RebaseRequest::decode(msg.payload.as_ref()) {
-            Err(e) => reply.error = format!("bad RebaseRequest: {e}"),
-            Ok(req) => {
-                for (p, found) in ready.refused() {
-                    if !req.partitions.is_empty() && !req.partitions.contains(&p) {
-                        reply.refused.push(p);
-                        continue;
-                    }
-                    match store.rebase(p, &found, req.applied_seq).await {
-                        Ok(()) => {
-                            info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
-                            reply.rebased.push(p);
-                        }
-                        Err(e) => {
-                            reply.error = format!("partition {p}: {e}");
-                            reply.refused.push(p);
-                        }
-                    }
-                }
-            }
+    serve_requests(client, subjects.ctl_rebase(), "rebase", stop, handle).await;
+}
+
+/// Re-bases the refused partitions `req` names (all when it names none).
+async fn rebase_refused(
+    store: &Store,
+    ready: &Readiness,
+    req: &RebaseRequest,
+    reply: &mut RebaseReply,
+) {
+    for (p, found) in ready.refused() {
+        if !req.partitions.is_empty() && !req.partitions.contains(&p) {
+            reply.refused.push(p);
+            continue;
         }
-        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot reply to a rebase request");
+        match store.rebase(p, &found, req.applied_seq).await {
+            Ok(()) => {
+                info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
+                reply.rebased.push(p);
+            }
+            Err(e) => {
+                reply.error = format!("partition {p}: {e}");
+                reply.refused.push(p);
+            }
         }
     }
 }
@@ -471,40 +502,35 @@ async fn serve_redrive_requests(
     store: Store,
     replica: u32,
     owned: Vec<u32>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    let mut sub = match client.subscribe(subjects.ctl_redrive()).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!(error = %e, "cannot subscribe to redrive requests");
-            return;
+    let owned: Arc<[u32]> = owned.into();
+    let handle = |payload: Bytes, _| {
+        let (store, owned) = (store.clone(), owned.clone());
+        async move {
+            let mut reply = RedriveReply { replica, ..Default::default() };
+            match RedriveRequest::decode(payload) {
+                Err(e) => reply.error = format!("bad RedriveRequest: {e}"),
+                Ok(req) => redrive_owned(&store, &owned, &req, &mut reply).await,
+            }
+            Some(reply.encode_to_vec())
         }
     };
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => return },
-            _ = stop.changed() => return,
-        };
-        let Some(reply_to) = msg.reply.clone() else { continue };
-        let mut reply = RedriveReply { replica, ..Default::default() };
-        match RedriveRequest::decode(msg.payload.as_ref()) {
-            Err(e) => reply.error = format!("bad RedriveRequest: {e}"),
-            Ok(req) => {
-                for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
-                    match store.redrive(p, &req.msg_ids).await {
-                        Ok(n) => {
-                            if n > 0 {
-                                info!(partition = p, entries = n, "outbox entries put back by an operator");
-                            }
-                            reply.redriven += n;
-                        }
-                        Err(e) => reply.error = format!("partition {p}: {e}"),
-                    }
+    serve_requests(client, subjects.ctl_redrive(), "redrive", stop, handle).await;
+}
+
+/// Puts back the dead outbox entries `req` names, in the owned partitions it
+/// names (all when it names none).
+async fn redrive_owned(store: &Store, owned: &[u32], req: &RedriveRequest, reply: &mut RedriveReply) {
+    for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
+        match store.redrive(p, &req.msg_ids).await {
+            Ok(n) => {
+                if n > 0 {
+                    info!(partition = p, entries = n, "outbox entries put back by an operator");
                 }
+                reply.redriven += n;
             }
-        }
-        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot reply to a redrive request");
+            Err(e) => reply.error = format!("partition {p}: {e}"),
         }
     }
 }
