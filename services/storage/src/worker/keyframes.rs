@@ -343,14 +343,8 @@ impl Worker {
         for chunk in ids.chunks(MARK_CHUNK) {
             let (then, now) =
                 self.store.frozen_and_live(partition, f.brand_id, f.place_id, chunk).await?;
-            for ((id, then), now) in chunk.iter().zip(then).zip(now) {
-                if let Some(r) = then.filter(|r| f.counts(r)) {
-                    digest.remove(id, r.updated_at);
-                }
-                if let Some(r) = now.filter(|r| f.counts(r)) {
-                    digest.add(id, r.updated_at);
-                }
-            }
+            let sides = chunk.iter().map(String::as_str).zip(then).zip(now);
+            digest = digest_at_mark(digest, f, sides.map(|((id, then), now)| (id, then, now)));
         }
         let command_seq = self.store.applied_seq(partition).await?;
         let mark = ChangeBatch {
