@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use bytes::Bytes;
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
@@ -356,17 +355,21 @@ async fn schedule_keyframes(
 }
 
 /// Answers the requests of one control subject until `stop`: each request
-/// with a reply subject goes to `handle`, and what it answers (if anything:
-/// a handler may reply later by itself) is published as the reply. `what`
+/// with a reply subject is decoded and goes to `handle`, and what it answers
+/// (if anything: a handler may reply later by itself) is published as the
+/// reply; a request that does not decode is answered with `bad`. `what`
 /// names the requests in logs.
-async fn serve_requests<Fut>(
+async fn serve_requests<Req, Rep, Fut>(
     client: async_nats::Client,
     subject: String,
     what: &'static str,
     mut stop: watch::Receiver<bool>,
-    mut handle: impl FnMut(Bytes, async_nats::Subject) -> Fut,
+    bad: impl Fn(prost::DecodeError) -> Rep,
+    mut handle: impl FnMut(Req, async_nats::Subject) -> Fut,
 ) where
-    Fut: Future<Output = Option<Vec<u8>>>,
+    Req: Message + Default,
+    Rep: Message,
+    Fut: Future<Output = Option<Rep>>,
 {
     let mut sub = match client.subscribe(subject).await {
         Ok(s) => s,
@@ -381,8 +384,12 @@ async fn serve_requests<Fut>(
             _ = stop.changed() => return,
         };
         let Some(reply_to) = msg.reply.clone() else { continue };
-        let Some(reply) = handle(msg.payload, reply_to.clone()).await else { continue };
-        if let Err(e) = client.publish(reply_to, reply.into()).await {
+        let reply = match Req::decode(msg.payload) {
+            Ok(req) => handle(req, reply_to.clone()).await,
+            Err(e) => Some(bad(e)),
+        };
+        let Some(reply) = reply else { continue };
+        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
             warn!(error = %e, "cannot reply to a {what} request");
         }
     }
@@ -396,38 +403,33 @@ async fn serve_keyframe_requests(
     keyframer: Keyframer,
     stop: watch::Receiver<bool>,
 ) {
+    let bad = |e| KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
     let replier = client.clone();
-    let handle = |payload: Bytes, reply_to: async_nats::Subject| {
+    let handle = |req, reply_to| {
         let (keyframer, client) = (keyframer.clone(), replier.clone());
-        async move { start_keyframe(&keyframer, client, payload, reply_to).await }
+        async move {
+            start_keyframe(&keyframer, client, req, reply_to).await;
+            None
+        }
     };
-    serve_requests(client, subjects.ctl_keyframe(), "keyframe", stop, handle).await;
+    serve_requests(client, subjects.ctl_keyframe(), "keyframe", stop, bad, handle).await;
 }
 
-/// Starts the keyframe a `KeyframeRequest` asks for; the reply goes out
-/// when it is done (`None` here), or at once if the request is bad.
+/// Starts the keyframe a request asks for; the reply goes out when it is
+/// done, while the next requests are served.
 async fn start_keyframe(
     keyframer: &Keyframer,
     client: async_nats::Client,
-    payload: Bytes,
+    req: KeyframeRequest,
     reply_to: async_nats::Subject,
-) -> Option<Vec<u8>> {
-    let req = match KeyframeRequest::decode(payload) {
-        Ok(r) => r,
-        Err(e) => {
-            let error = format!("bad KeyframeRequest: {e}");
-            return Some(KeyframeReply { error, ..Default::default() }.encode_to_vec());
-        }
-    };
+) {
     let id = if req.keyframe_id.is_empty() {
         keyframe_id_at(chrono::Utc::now().timestamp_micros())
     } else {
         req.keyframe_id.clone()
     };
-    let place =
-        (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
-    let done = keyframer.start(id, place).await?;
-    // Replied when the keyframe is done; the next request is served meanwhile.
+    let place = (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+    let Some(done) = keyframer.start(id, place).await else { return };
     tokio::spawn(async move {
         match done.await {
             Ok(reply) => {
@@ -438,7 +440,6 @@ async fn start_keyframe(
             Err(_) => warn!("keyframe abandoned before completion"),
         }
     });
-    None
 }
 
 /// Answers `RebaseRequest`s on `<prefix>.ctl.rebase`: the partitions of
@@ -453,27 +454,22 @@ async fn serve_rebase_requests(
     replica: u32,
     stop: watch::Receiver<bool>,
 ) {
-    let handle = |payload: Bytes, _| {
+    let bad = |e| RebaseReply { replica, error: format!("bad RebaseRequest: {e}"), ..Default::default() };
+    let handle = |req: RebaseRequest, _| {
         let (store, ready) = (store.clone(), ready.clone());
-        async move {
-            let mut reply = RebaseReply { replica, ..Default::default() };
-            match RebaseRequest::decode(payload) {
-                Err(e) => reply.error = format!("bad RebaseRequest: {e}"),
-                Ok(req) => rebase_refused(&store, &ready, &req, &mut reply).await,
-            }
-            Some(reply.encode_to_vec())
-        }
+        async move { Some(rebase_refused(&store, &ready, replica, &req).await) }
     };
-    serve_requests(client, subjects.ctl_rebase(), "rebase", stop, handle).await;
+    serve_requests(client, subjects.ctl_rebase(), "rebase", stop, bad, handle).await;
 }
 
 /// Re-bases the refused partitions `req` names (all when it names none).
 async fn rebase_refused(
     store: &Store,
     ready: &Readiness,
+    replica: u32,
     req: &RebaseRequest,
-    reply: &mut RebaseReply,
-) {
+) -> RebaseReply {
+    let mut reply = RebaseReply { replica, ..Default::default() };
     for (p, found) in ready.refused() {
         if !req.partitions.is_empty() && !req.partitions.contains(&p) {
             reply.refused.push(p);
@@ -490,6 +486,7 @@ async fn rebase_refused(
             }
         }
     }
+    reply
 }
 
 /// Answers `RedriveRequest`s on `<prefix>.ctl.redrive`: outbox entries of
@@ -504,24 +501,24 @@ async fn serve_redrive_requests(
     owned: Vec<u32>,
     stop: watch::Receiver<bool>,
 ) {
+    let bad = |e| RedriveReply { replica, error: format!("bad RedriveRequest: {e}"), ..Default::default() };
     let owned: Arc<[u32]> = owned.into();
-    let handle = |payload: Bytes, _| {
+    let handle = |req: RedriveRequest, _| {
         let (store, owned) = (store.clone(), owned.clone());
-        async move {
-            let mut reply = RedriveReply { replica, ..Default::default() };
-            match RedriveRequest::decode(payload) {
-                Err(e) => reply.error = format!("bad RedriveRequest: {e}"),
-                Ok(req) => redrive_owned(&store, &owned, &req, &mut reply).await,
-            }
-            Some(reply.encode_to_vec())
-        }
+        async move { Some(redrive_owned(&store, &owned, replica, &req).await) }
     };
-    serve_requests(client, subjects.ctl_redrive(), "redrive", stop, handle).await;
+    serve_requests(client, subjects.ctl_redrive(), "redrive", stop, bad, handle).await;
 }
 
 /// Puts back the dead outbox entries `req` names, in the owned partitions it
 /// names (all when it names none).
-async fn redrive_owned(store: &Store, owned: &[u32], req: &RedriveRequest, reply: &mut RedriveReply) {
+async fn redrive_owned(
+    store: &Store,
+    owned: &[u32],
+    replica: u32,
+    req: &RedriveRequest,
+) -> RedriveReply {
+    let mut reply = RedriveReply { replica, ..Default::default() };
     for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
         match store.redrive(p, &req.msg_ids).await {
             Ok(n) => {
@@ -533,6 +530,7 @@ async fn redrive_owned(store: &Store, owned: &[u32], req: &RedriveRequest, reply
             Err(e) => reply.error = format!("partition {p}: {e}"),
         }
     }
+    reply
 }
 
 pub use shelfsync_service::shutdown_signal;
