@@ -224,8 +224,7 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
     let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
     let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
     let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-    let (mut tomb_add, mut tomb_rem) = (Vec::new(), Vec::new());
-    let (mut absent_add, mut absent_rem) = (Vec::new(), Vec::new());
+    let (mut tombstones, mut absent) = (IndexWrites::default(), IndexWrites::default());
     for ((b, p, id), slot) in slots {
         if slot.record_dirty
             && let Some(r) = &slot.record
@@ -245,22 +244,8 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
         }
         let member = || format!("{b}:{p}:{id}").into_bytes();
         let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
-        match slot.tombstone {
-            Some(true) => {
-                tomb_add.push(at.to_string().into_bytes());
-                tomb_add.push(member());
-            }
-            Some(false) => tomb_rem.push(member()),
-            None => {}
-        }
-        match slot.absent_index {
-            Some(true) => {
-                absent_add.push(at.to_string().into_bytes());
-                absent_add.push(member());
-            }
-            Some(false) => absent_rem.push(member()),
-            None => {}
-        }
+        tombstones.note(slot.tombstone, at, &member);
+        absent.note(slot.absent_index, at, &member);
     }
     let mut new_places = Vec::new();
     for ((b, p), args) in records {
@@ -276,10 +261,37 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
         ops.op("ZADD", &keys.ids(b, p), args, 2);
     }
     ops.op("SADD", &keys.places(), new_places, 1);
-    ops.op("ZADD", &keys.tombstones(), tomb_add, 2);
-    ops.op("ZREM", &keys.tombstones(), tomb_rem, 1);
-    ops.op("ZADD", &keys.absent(), absent_add, 2);
-    ops.op("ZREM", &keys.absent(), absent_rem, 1);
+    tombstones.write(ops, &keys.tombstones());
+    absent.write(ops, &keys.absent());
+}
+
+/// What one commit adds to (scored) and removes from an index zset of
+/// records (tombstones, absent records).
+#[derive(Default)]
+struct IndexWrites {
+    add: Vec<Vec<u8>>,
+    rem: Vec<Vec<u8>>,
+}
+
+impl IndexWrites {
+    /// Notes a slot's index change: `Some(true)` adds `member` scored `at`,
+    /// `Some(false)` removes it.
+    fn note(&mut self, change: Option<bool>, at: i64, member: impl FnOnce() -> Vec<u8>) {
+        match change {
+            Some(true) => {
+                self.add.push(at.to_string().into_bytes());
+                self.add.push(member());
+            }
+            Some(false) => self.rem.push(member()),
+            None => {}
+        }
+    }
+
+    /// The `ZADD`, then the `ZREM`, on the index `key`.
+    fn write(self, ops: &mut CommitOps, key: &str) {
+        ops.op("ZADD", key, self.add, 2);
+        ops.op("ZREM", key, self.rem, 1);
+    }
 }
 
 /// Appends what full imports carried to their touched sets, one `APPEND`
@@ -482,8 +494,7 @@ impl Store {
         n: usize,
         timeout: std::time::Duration,
     ) -> Result<usize, StoreError> {
-        let mut conn = self.conn.clone();
-        Ok(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64).query_async(&mut conn).await?)
+        Ok(self.query(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64)).await?)
     }
 
     /// The last applied command sequence of a partition.

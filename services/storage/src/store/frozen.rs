@@ -135,13 +135,14 @@ impl Store {
         let keys = self.keys(partition);
         let (live, frozen) =
             (keys.records(brand_id, place_id), keys.frozen_records(brand_id, place_id));
-        let mut conn = self.conn.clone();
-        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
-            .arg(if kept { &frozen } else { &live })
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut conn)
+        let (next, flat): (u64, Vec<Vec<u8>>) = self
+            .query(
+                redis::cmd("HSCAN")
+                    .arg(if kept { &frozen } else { &live })
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(count),
+            )
             .await?;
         if flat.is_empty() {
             return Ok((next, Vec::new()));
@@ -150,6 +151,7 @@ impl Store {
         // written since the step has its frozen value kept by then, and a
         // kept value never changes.
         let ids: Vec<&[u8]> = flat.chunks_exact(2).map(|pair| pair[0].as_slice()).collect();
+        let mut conn = self.conn.clone();
         let (gens, kept_recs, kept_gens): (Column, Column, Column) = redis::pipe()
             .cmd("HMGET")
             .arg(keys.gens(brand_id, place_id))

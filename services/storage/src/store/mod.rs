@@ -193,6 +193,13 @@ impl Store {
         self.conn.clone()
     }
 
+    /// Runs one command on the shared connection (each call its own clone
+    /// of the multiplexed handle).
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(cmd.query_async(&mut conn).await?)
+    }
+
     /// Some records of one place with their generations, as slots in the
     /// order of `ids`: the paired `HMGET` of records and generations.
     async fn read_slots(

@@ -114,8 +114,7 @@ impl Store {
     }
 
     pub async fn outbox_len(&self, partition: u32) -> Result<u64, StoreError> {
-        let mut conn = self.conn.clone();
-        Ok(redis::cmd("LLEN").arg(self.keys(partition).outbox()).query_async(&mut conn).await?)
+        Ok(self.query(redis::cmd("LLEN").arg(self.keys(partition).outbox())).await?)
     }
 
     /// The newest `limit` outbox entries kept aside as unpublishable.
@@ -125,13 +124,8 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let key = self.keys(partition).dead();
-        let mut conn = self.conn.clone();
-        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
-            .arg(&key)
-            .arg(-(limit.max(1) as i64))
-            .arg(-1)
-            .query_async(&mut conn)
-            .await?;
+        let raw: Vec<Vec<u8>> =
+            self.query(redis::cmd("LRANGE").arg(&key).arg(-(limit.max(1) as i64)).arg(-1)).await?;
         decode_entries(&key, &raw)
     }
 

@@ -48,11 +48,8 @@ impl Store {
 
     /// The places of a partition that ever held a record.
     pub async fn places(&self, partition: u32) -> Result<Vec<(i64, i64)>, StoreError> {
-        let mut conn = self.conn.clone();
-        let raw: Vec<String> = redis::cmd("SMEMBERS")
-            .arg(self.keys(partition).places())
-            .query_async(&mut conn)
-            .await?;
+        let raw: Vec<String> =
+            self.query(redis::cmd("SMEMBERS").arg(self.keys(partition).places())).await?;
         let mut out: Vec<(i64, i64)> = raw
             .iter()
             .filter_map(|s| {
@@ -97,16 +94,17 @@ impl Store {
     ) -> Result<(Vec<Record>, Option<String>), StoreError> {
         let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
         let start = if after.is_empty() { "-".to_string() } else { format!("({after}") };
-        let mut conn = self.conn.clone();
-        let mut ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(keys.ids(brand_id, place_id))
-            .arg(&start)
-            .arg("+")
-            .arg("BYLEX")
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit + 1)
-            .query_async(&mut conn)
+        let mut ids: Vec<String> = self
+            .query(
+                redis::cmd("ZRANGE")
+                    .arg(keys.ids(brand_id, place_id))
+                    .arg(&start)
+                    .arg("+")
+                    .arg("BYLEX")
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(limit + 1),
+            )
             .await?;
         let more = ids.len() > limit;
         ids.truncate(limit);

@@ -25,14 +25,8 @@ impl Store {
         count: usize,
     ) -> Result<(u64, Vec<(String, GenEntry)>), StoreError> {
         let key = self.keys(partition).gens(brand_id, place_id);
-        let mut conn = self.conn.clone();
-        let (next, flat): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
-            .arg(&key)
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut conn)
-            .await?;
+        let (next, flat): (u64, Vec<Vec<u8>>) =
+            self.query(redis::cmd("HSCAN").arg(&key).arg(cursor).arg("COUNT").arg(count)).await?;
         let mut out = Vec::with_capacity(flat.len() / 2);
         for pair in flat.chunks_exact(2) {
             let id =
@@ -55,8 +49,7 @@ impl Store {
         generation: i64,
     ) -> Result<Option<HashSet<String>>, StoreError> {
         let key = self.keys(partition).touched(brand_id, place_id, generation);
-        let mut conn = self.conn.clone();
-        let blob: Option<Vec<u8>> = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+        let blob: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
         blob.map(|b| {
             touched_set::decode(&b).ok_or_else(|| StoreError::corrupt(&key, "bad touched set"))
         })
@@ -71,20 +64,15 @@ impl Store {
         place_id: i64,
     ) -> Result<Option<SweepOutcome>, StoreError> {
         let key = self.keys(partition).held();
-        let mut conn = self.conn.clone();
-        let raw: Option<Vec<u8>> = redis::cmd("HGET")
-            .arg(&key)
-            .arg(format!("{brand_id}:{place_id}"))
-            .query_async(&mut conn)
-            .await?;
+        let raw: Option<Vec<u8>> =
+            self.query(redis::cmd("HGET").arg(&key).arg(format!("{brand_id}:{place_id}"))).await?;
         raw.map(|b| decode_outcome(&key, &b)).transpose()
     }
 
     /// Every sweep held in a partition.
     pub async fn held_all(&self, partition: u32) -> Result<Vec<SweepOutcome>, StoreError> {
         let key = self.keys(partition).held();
-        let mut conn = self.conn.clone();
-        let raw: Vec<Vec<u8>> = redis::cmd("HVALS").arg(&key).query_async(&mut conn).await?;
+        let raw: Vec<Vec<u8>> = self.query(redis::cmd("HVALS").arg(&key)).await?;
         raw.iter().map(|b| decode_outcome(&key, b)).collect()
     }
 
@@ -101,8 +89,7 @@ impl Store {
         }
         let key = self.keys(partition).swept(import_id);
         let fields: Vec<String> = places.iter().map(|(b, p)| format!("{b}:{p}")).collect();
-        let mut conn = self.conn.clone();
-        let raw: Column = redis::cmd("HMGET").arg(&key).arg(&fields).query_async(&mut conn).await?;
+        let raw: Column = self.query(redis::cmd("HMGET").arg(&key).arg(&fields)).await?;
         raw.into_iter().map(|b| b.map(|b| decode_outcome(&key, &b)).transpose()).collect()
     }
 
@@ -159,15 +146,16 @@ impl Store {
 
     /// Members of an index zset scored at or below `cutoff`, oldest first.
     async fn due(&self, key: &str, cutoff: i64, limit: usize) -> Result<Vec<String>, StoreError> {
-        let mut conn = self.conn.clone();
-        Ok(redis::cmd("ZRANGEBYSCORE")
-            .arg(key)
-            .arg("-inf")
-            .arg(cutoff)
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit)
-            .query_async(&mut conn)
+        Ok(self
+            .query(
+                redis::cmd("ZRANGEBYSCORE")
+                    .arg(key)
+                    .arg("-inf")
+                    .arg(cutoff)
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(limit),
+            )
             .await?)
     }
 }
