@@ -29,7 +29,7 @@ use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
 use crate::read::ReadApi;
 use crate::stats::{Readiness, Stats};
 use crate::store::Store;
-use crate::worker::Worker;
+use crate::worker::{Shared, Worker};
 
 /// How long the workers may take to finish the messages in hand once
 /// shutdown starts (below Kubernetes' default 30 s grace period).
@@ -179,31 +179,23 @@ impl App {
             self.settings.storage.keyframe_rate,
             self.settings.storage.keyframe_yield_after,
         );
+        let shared = Shared {
+            settings: self.settings.clone(),
+            subjects: subjects.clone(),
+            js: self.js.clone(),
+            store: self.store.clone(),
+            stats: self.stats.clone(),
+            max_bytes,
+            ready: self.ready.clone(),
+            keyframe_limits,
+        };
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
-            let worker = Worker {
-                partition: Partition(p),
-                settings: self.settings.clone(),
-                subjects: subjects.clone(),
-                js: self.js.clone(),
-                store: self.store.clone(),
-                stats: self.stats.clone(),
-                max_bytes,
-                ready: self.ready.clone(),
-                keyframe_limits: keyframe_limits.clone(),
-                changed_since_freeze: Default::default(),
-                committed_through: Default::default(),
-                ahead_paused_until: Default::default(),
-                stream_identity: Default::default(),
-                known: std::sync::Mutex::new(crate::known::Known::new(
-                    self.settings.storage.known_records,
-                )),
-            };
-            let worker = Arc::new(worker);
+            let worker = Arc::new(Worker::new(Partition(p), &shared));
             let rx = stop_rx.clone();
             tasks.spawn(async move {
-                let p = worker.partition;
+                let p = worker.partition();
                 if let Err(e) = worker.run(rx, job_rx).await {
                     error!(partition = %p, error = format!("{e:#}"), "partition worker stopped");
                     return Err(e);
@@ -362,18 +354,27 @@ async fn schedule_keyframes(
     }
 }
 
-/// Answers `KeyframeRequest`s on `<prefix>.ctl.keyframe`: every replica
-/// keyframes the places it owns and replies when done.
-async fn serve_keyframe_requests(
+/// Answers the requests of one control subject until `stop`: each request
+/// with a reply subject is decoded and goes to `handle`, and what it answers
+/// (if anything: a handler may reply later by itself) is published as the
+/// reply; a request that does not decode is answered with `bad`. `what`
+/// names the requests in logs.
+async fn serve_requests<Req, Rep, Fut>(
     client: async_nats::Client,
-    subjects: Subjects,
-    keyframer: Keyframer,
+    subject: String,
+    what: &'static str,
     mut stop: watch::Receiver<bool>,
-) {
-    let mut sub = match client.subscribe(subjects.ctl_keyframe()).await {
+    bad: impl Fn(prost::DecodeError) -> Rep,
+    mut handle: impl FnMut(Req, async_nats::Subject) -> Fut,
+) where
+    Req: Message + Default,
+    Rep: Message,
+    Fut: Future<Output = Option<Rep>>,
+{
+    let mut sub = match client.subscribe(subject).await {
         Ok(s) => s,
         Err(e) => {
-            error!(error = %e, "cannot subscribe to keyframe requests");
+            error!(error = %e, "cannot subscribe to {what} requests");
             return;
         }
     };
@@ -383,37 +384,62 @@ async fn serve_keyframe_requests(
             _ = stop.changed() => return,
         };
         let Some(reply_to) = msg.reply.clone() else { continue };
-        let req = match KeyframeRequest::decode(msg.payload.as_ref()) {
-            Ok(r) => r,
-            Err(e) => {
-                let reply = KeyframeReply {
-                    error: format!("bad KeyframeRequest: {e}"),
-                    ..Default::default()
-                };
-                let _ = client.publish(reply_to, reply.encode_to_vec().into()).await;
-                continue;
-            }
+        let reply = match Req::decode(msg.payload) {
+            Ok(req) => handle(req, reply_to.clone()).await,
+            Err(e) => Some(bad(e)),
         };
-        let id = if req.keyframe_id.is_empty() {
-            keyframe_id_at(chrono::Utc::now().timestamp_micros())
-        } else {
-            req.keyframe_id.clone()
-        };
-        let place =
-            (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
-        let Some(done) = keyframer.start(id, place).await else { continue };
-        let client = client.clone();
-        tokio::spawn(async move {
-            match done.await {
-                Ok(reply) => {
-                    if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-                        warn!(error = %e, "cannot reply to keyframe request");
-                    }
-                }
-                Err(_) => warn!("keyframe abandoned before completion"),
-            }
-        });
+        let Some(reply) = reply else { continue };
+        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+            warn!(error = %e, "cannot reply to a {what} request");
+        }
     }
+}
+
+/// Answers `KeyframeRequest`s on `<prefix>.ctl.keyframe`: every replica
+/// keyframes the places it owns and replies when done.
+async fn serve_keyframe_requests(
+    client: async_nats::Client,
+    subjects: Subjects,
+    keyframer: Keyframer,
+    stop: watch::Receiver<bool>,
+) {
+    let bad = |e| KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
+    let replier = client.clone();
+    let handle = |req, reply_to| {
+        let (keyframer, client) = (keyframer.clone(), replier.clone());
+        async move {
+            start_keyframe(&keyframer, client, req, reply_to).await;
+            None
+        }
+    };
+    serve_requests(client, subjects.ctl_keyframe(), "keyframe", stop, bad, handle).await;
+}
+
+/// Starts the keyframe a request asks for; the reply goes out when it is
+/// done, while the next requests are served.
+async fn start_keyframe(
+    keyframer: &Keyframer,
+    client: async_nats::Client,
+    req: KeyframeRequest,
+    reply_to: async_nats::Subject,
+) {
+    let id = if req.keyframe_id.is_empty() {
+        keyframe_id_at(chrono::Utc::now().timestamp_micros())
+    } else {
+        req.keyframe_id.clone()
+    };
+    let place = (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+    let Some(done) = keyframer.start(id, place).await else { return };
+    tokio::spawn(async move {
+        match done.await {
+            Ok(reply) => {
+                if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
+                    warn!(error = %e, "cannot reply to keyframe request");
+                }
+            }
+            Err(_) => warn!("keyframe abandoned before completion"),
+        }
+    });
 }
 
 /// Answers `RebaseRequest`s on `<prefix>.ctl.rebase`: the partitions of
@@ -426,47 +452,41 @@ async fn serve_rebase_requests(
     store: Store,
     ready: Arc<Readiness>,
     replica: u32,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    let mut sub = match client.subscribe(subjects.ctl_rebase()).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!(error = %e, "cannot subscribe to rebase requests");
-            return;
-        }
+    let bad = |e| RebaseReply { replica, error: format!("bad RebaseRequest: {e}"), ..Default::default() };
+    let handle = |req: RebaseRequest, _| {
+        let (store, ready) = (store.clone(), ready.clone());
+        async move { Some(rebase_refused(&store, &ready, replica, &req).await) }
     };
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => return },
-            _ = stop.changed() => return,
-        };
-        let Some(reply_to) = msg.reply.clone() else { continue };
-        let mut reply = RebaseReply { replica, ..Default::default() };
-        match RebaseRequest::decode(msg.payload.as_ref()) {
-            Err(e) => reply.error = format!("bad RebaseRequest: {e}"),
-            Ok(req) => {
-                for (p, found) in ready.refused() {
-                    if !req.partitions.is_empty() && !req.partitions.contains(&p) {
-                        reply.refused.push(p);
-                        continue;
-                    }
-                    match store.rebase(p, &found, req.applied_seq).await {
-                        Ok(()) => {
-                            info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
-                            reply.rebased.push(p);
-                        }
-                        Err(e) => {
-                            reply.error = format!("partition {p}: {e}");
-                            reply.refused.push(p);
-                        }
-                    }
-                }
+    serve_requests(client, subjects.ctl_rebase(), "rebase", stop, bad, handle).await;
+}
+
+/// Re-bases the refused partitions `req` names (all when it names none).
+async fn rebase_refused(
+    store: &Store,
+    ready: &Readiness,
+    replica: u32,
+    req: &RebaseRequest,
+) -> RebaseReply {
+    let mut reply = RebaseReply { replica, ..Default::default() };
+    for (p, found) in ready.refused() {
+        if !req.partitions.is_empty() && !req.partitions.contains(&p) {
+            reply.refused.push(p);
+            continue;
+        }
+        match store.rebase(p, &found, req.applied_seq).await {
+            Ok(()) => {
+                info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
+                reply.rebased.push(p);
+            }
+            Err(e) => {
+                reply.error = format!("partition {p}: {e}");
+                reply.refused.push(p);
             }
         }
-        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot reply to a rebase request");
-        }
     }
+    reply
 }
 
 /// Answers `RedriveRequest`s on `<prefix>.ctl.redrive`: outbox entries of
@@ -479,42 +499,38 @@ async fn serve_redrive_requests(
     store: Store,
     replica: u32,
     owned: Vec<u32>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    let mut sub = match client.subscribe(subjects.ctl_redrive()).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!(error = %e, "cannot subscribe to redrive requests");
-            return;
-        }
+    let bad = |e| RedriveReply { replica, error: format!("bad RedriveRequest: {e}"), ..Default::default() };
+    let owned: Arc<[u32]> = owned.into();
+    let handle = |req: RedriveRequest, _| {
+        let (store, owned) = (store.clone(), owned.clone());
+        async move { Some(redrive_owned(&store, &owned, replica, &req).await) }
     };
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => return },
-            _ = stop.changed() => return,
-        };
-        let Some(reply_to) = msg.reply.clone() else { continue };
-        let mut reply = RedriveReply { replica, ..Default::default() };
-        match RedriveRequest::decode(msg.payload.as_ref()) {
-            Err(e) => reply.error = format!("bad RedriveRequest: {e}"),
-            Ok(req) => {
-                for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
-                    match store.redrive(p, &req.msg_ids).await {
-                        Ok(n) => {
-                            if n > 0 {
-                                info!(partition = p, entries = n, "outbox entries put back by an operator");
-                            }
-                            reply.redriven += n;
-                        }
-                        Err(e) => reply.error = format!("partition {p}: {e}"),
-                    }
+    serve_requests(client, subjects.ctl_redrive(), "redrive", stop, bad, handle).await;
+}
+
+/// Puts back the dead outbox entries `req` names, in the owned partitions it
+/// names (all when it names none).
+async fn redrive_owned(
+    store: &Store,
+    owned: &[u32],
+    replica: u32,
+    req: &RedriveRequest,
+) -> RedriveReply {
+    let mut reply = RedriveReply { replica, ..Default::default() };
+    for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
+        match store.redrive(p, &req.msg_ids).await {
+            Ok(n) => {
+                if n > 0 {
+                    info!(partition = p, entries = n, "outbox entries put back by an operator");
                 }
+                reply.redriven += n;
             }
-        }
-        if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot reply to a redrive request");
+            Err(e) => reply.error = format!("partition {p}: {e}"),
         }
     }
+    reply
 }
 
 pub use shelfsync_service::shutdown_signal;

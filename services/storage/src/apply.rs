@@ -403,7 +403,7 @@ fn apply_command(
 }
 
 /// A sweep of a whole place at once: census, decision, marks. Storage
-/// applies sweeps in bounded steps instead (`crate::sweep`), through the same
+/// applies sweeps in bounded steps instead (`crate::worker::sweep`), through the same
 /// decision and marking; this one is the reference the tests hold it to.
 fn apply_sweep(
     sweep: &Sweep,

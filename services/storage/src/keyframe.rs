@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use shelfsync_bus::digest::Digest;
 use shelfsync_proto::{KeyframeReply, Record};
 use tokio::sync::{Mutex, Semaphore, oneshot};
 use tracing::{info, warn};
@@ -365,6 +366,83 @@ impl Frozen {
     /// good as purged.
     pub(crate) fn counts(&self, r: &Record) -> bool {
         !(r.deleted && r.updated_at < self.tombstone_cutoff)
+    }
+}
+
+/// The digest of a frozen place brought up to its marker: each record
+/// changed since the freeze leaves the digest as it was frozen (`then`) and
+/// enters it as it is now (`now`), each side only if the keyframe counts it
+/// (`None`: absent on that side). Pure, so the arithmetic is tested on its
+/// own.
+pub(crate) fn digest_at_mark<'a>(
+    mut digest: Digest,
+    f: &Frozen,
+    changed: impl IntoIterator<Item = (&'a str, Option<Record>, Option<Record>)>,
+) -> Digest {
+    for (id, then, now) in changed {
+        if let Some(r) = then.filter(|r| f.counts(r)) {
+            digest.remove(id, r.updated_at);
+        }
+        if let Some(r) = now.filter(|r| f.counts(r)) {
+            digest.add(id, r.updated_at);
+        }
+    }
+    digest
+}
+
+#[cfg(test)]
+mod digest_tests {
+    use super::*;
+
+    fn frozen(tombstone_cutoff: i64) -> Frozen {
+        Frozen {
+            keyframe_id: "kf-1".into(),
+            changes_seq: 0,
+            brand_id: 1,
+            place_id: 2,
+            command_seq: 0,
+            as_of: 0,
+            tombstone_cutoff,
+        }
+    }
+
+    fn rec(updated_at: i64, deleted: bool) -> Option<Record> {
+        Some(Record { updated_at, deleted, ..Default::default() })
+    }
+
+    fn digest_of(records: &[(&str, i64)]) -> Digest {
+        let mut d = Digest::default();
+        for (id, at) in records {
+            d.add(id, *at);
+        }
+        d
+    }
+
+    #[test]
+    fn the_marked_digest_is_the_digest_of_the_place_as_it_is_now() {
+        let f = frozen(10);
+        let at_freeze = digest_of(&[("a", 1), ("b", 2), ("c", 3)]);
+        let changed = [
+            ("b", rec(2, false), rec(5, false)), // updated
+            ("c", rec(3, false), rec(6, true)),  // deleted, tombstone already expired
+            ("d", None, rec(7, false)),          // created
+            ("a", rec(1, false), rec(1, false)), // written back unchanged
+        ];
+        let marked = digest_at_mark(at_freeze, &f, changed);
+        assert_eq!(marked, digest_of(&[("a", 1), ("b", 5), ("d", 7)]));
+    }
+
+    #[test]
+    fn a_record_not_counted_when_frozen_is_not_removed_twice() {
+        let f = frozen(10);
+        // "e" was an expired tombstone at the freeze (not in the digest),
+        // and is back since.
+        let at_freeze = digest_of(&[("a", 1)]);
+        let marked = digest_at_mark(at_freeze, &f, [("e", rec(4, true), rec(12, false))]);
+        assert_eq!(marked, digest_of(&[("a", 1), ("e", 12)]));
+        // A fresh tombstone still counts, frozen or now.
+        let marked = digest_at_mark(marked, &f, [("a", rec(1, false), rec(11, true))]);
+        assert_eq!(marked, digest_of(&[("a", 11), ("e", 12)]));
     }
 }
 

@@ -7,7 +7,7 @@
 //! - [`store`]: Redis — key layout, batched loads, the atomic commit of
 //!   state + outbox + applied sequence, reads for other tools.
 //! - `worker`: one task per owned partition — ordered consumption, commit,
-//!   ack, retries, dead-lettering, purges; `sweep`: a message with sweeps,
+//!   ack, retries, dead-lettering, purges; `worker::sweep`: a message with sweeps,
 //!   applied in bounded steps.
 //! - `outbox`, `relay`: what a commit puts in the outbox, and publishing it
 //!   exactly once with no time window.
@@ -25,7 +25,6 @@ pub mod read;
 mod relay;
 pub mod stats;
 pub mod store;
-mod sweep;
 mod worker;
 
 pub use app::{App, shutdown_signal};

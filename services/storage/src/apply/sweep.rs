@@ -1,7 +1,7 @@
 //! The pure part of a sweep: which records it may mark absent, whether the
 //! evidence it carries allows it (the guard), and marking one record. No I/O:
 //! the whole-place sweep of [`super::apply_batch`] and storage's sweep in
-//! bounded steps (`crate::sweep`) both decide and mark through here, so they
+//! bounded steps (`crate::worker::sweep`) both decide and mark through here, so they
 //! cannot disagree.
 //!
 //! A full import sweeps only what it had the chance to see. A guarded sweep

@@ -1,6 +1,6 @@
 //! Tests of the pure storage core (docs/DESIGN.md, Storage semantics).
 //! Batches go through [`Store`], an in-memory stand-in that loads slots and
-//! commits dirty ones the way `store.rs` does against Redis, so scenarios
+//! commits dirty ones the way `store` does against Redis, so scenarios
 //! spanning several batches behave as they do in production. Properties at
 //! the end compare the core with a deliberately naive model of the merge.
 
@@ -146,7 +146,7 @@ fn before(c: &Change) -> &Record {
 
 // ------------------------------------------------------- the in-memory store
 
-/// Redis as `store.rs` lays it out for one partition: records (without key
+/// Redis as `store` lays it out for one partition: records (without key
 /// and generation), the generation column, and the tombstone index.
 #[derive(Debug, Clone)]
 struct Store {

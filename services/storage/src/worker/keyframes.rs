@@ -4,10 +4,191 @@
 
 use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, Record, msg_type};
 
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use prost::Message;
+use shelfsync_bus::Publisher;
+use shelfsync_bus::digest::Digest;
+use tokio::sync::OwnedSemaphorePermit;
+
 use super::*;
 use crate::keyframe::*;
 
+/// Keyframe parts (up to 1000 records, ~250 KB) of one place awaiting their
+/// ack. Small: the parts share the server with the live changes, which must
+/// not queue behind megabytes of snapshot.
+const KEYFRAME_INFLIGHT: usize = 2;
+
+/// One place waiting for its keyframe in this worker.
+pub(super) struct PlaceSnapshot {
+    keyframe_id: String,
+    changes_seq: u64,
+    brand_id: i64,
+    place_id: i64,
+    progress: std::sync::Arc<crate::keyframe::JobProgress>,
+    last_of_job: bool,
+}
+
+/// The frozen place and the ids of its records changed since the freeze.
+pub(super) type ChangedSinceFreeze = ((i64, i64), HashSet<String>);
+
+/// A place between its freeze and its marker.
+pub(super) struct InHand {
+    snapshot: PlaceSnapshot,
+    frozen: Frozen,
+    started: Instant,
+    /// Publishes the parts; gives the frozen digest.
+    pub(super) task: tokio::task::JoinHandle<anyhow::Result<Digest>>,
+    span: tracing::Span,
+}
+
 impl Worker {
+    pub(super) async fn plan_snapshots(&self, job: KeyframeJob, queue: &mut VecDeque<PlaceSnapshot>) {
+        let places = match job.place {
+            Some(place) => vec![place],
+            None => match self.store.places(self.partition.0).await {
+                Ok(p) => p,
+                Err(e) => {
+                    job.progress
+                        .worker_done(Some(format!("partition {}: {e}", self.partition)))
+                        .await;
+                    return;
+                }
+            },
+        };
+        if places.is_empty() {
+            job.progress.worker_done(None).await;
+            return;
+        }
+        let n = places.len();
+        for (i, (b, p)) in places.into_iter().enumerate() {
+            queue.push_back(PlaceSnapshot {
+                keyframe_id: job.keyframe_id.clone(),
+                changes_seq: job.changes_seq,
+                brand_id: b,
+                place_id: p,
+                progress: job.progress.clone(),
+                last_of_job: i + 1 == n,
+            });
+        }
+    }
+
+    /// Freezes one place, then hands the publication of its parts to a task
+    /// holding `permit`.
+    pub(super) async fn start_snapshot(
+        self: &Arc<Self>,
+        s: PlaceSnapshot,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<InHand> {
+        let started = Instant::now();
+        let span = tracing::info_span!(
+            "storage.keyframe_place",
+            partition = self.partition.0,
+            keyframe_id = %s.keyframe_id,
+            brand_id = s.brand_id,
+            place_id = s.place_id,
+        );
+        let frozen = self
+            .freeze(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id)
+            .instrument(span.clone())
+            .await;
+        self.stats.observe_keyframe_place(started.elapsed());
+        let frozen = match frozen {
+            Ok(f) => f,
+            Err(e) => {
+                self.snapshot_done(&s, Err(e), started).await;
+                return None;
+            }
+        };
+        *self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(((s.brand_id, s.place_id), HashSet::new()));
+        let this = self.clone();
+        let f = frozen.clone();
+        let task = self.keyframe_limits.spawn(
+            async move {
+                let live = KeyframeIo { js: this.js.clone(), store: this.store.clone() };
+                let io = this.keyframe_limits.io(&this.settings, live).await;
+                let mut publisher = Publisher::new(io.js.clone(), KEYFRAME_INFLIGHT);
+                let published = this.publish_frozen(&f, &io, &mut publisher).await;
+                drop(permit);
+                published
+            }
+            .instrument(span.clone()),
+        );
+        Some(InHand { snapshot: s, frozen, started, task, span })
+    }
+
+    /// Once the parts are out: the marker, then the freeze ends.
+    pub(super) async fn finish_snapshot(
+        &self,
+        hand: InHand,
+        published: Result<anyhow::Result<Digest>, tokio::task::JoinError>,
+        publisher: &mut Publisher,
+    ) {
+        let changed = self
+            .changed_since_freeze
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .map(|(_, ids)| ids)
+            .unwrap_or_default();
+        let result = match published {
+            Ok(Ok(digest)) => {
+                self.mark(&hand.frozen, digest, &changed, publisher)
+                    .instrument(hand.span.clone())
+                    .await
+            }
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(anyhow::anyhow!("keyframe task: {e}")),
+        };
+        let f = &hand.frozen;
+        if let Err(e) = self.store.thaw_place(self.partition.0, f.brand_id, f.place_id).await {
+            warn!(
+                partition = %self.partition, brand_id = f.brand_id, place_id = f.place_id,
+                error = %e, "dropping a frozen place failed (it expires)"
+            );
+        }
+        self.snapshot_done(&hand.snapshot, result, hand.started).await;
+    }
+
+    /// Notes the records of the frozen place that a commit changed.
+    pub(crate) fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
+        let mut tracked = self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(((b, p), ids)) = tracked.as_mut() {
+            for ((kb, kp, id), slot) in slots {
+                if kb == b && kp == p && slot.record_dirty {
+                    ids.insert(id.clone());
+                }
+            }
+        }
+    }
+
+    async fn snapshot_done(
+        &self,
+        s: &PlaceSnapshot,
+        result: anyhow::Result<u64>,
+        started: Instant,
+    ) {
+        match result {
+            Ok(records) => s.progress.place_done(records),
+            Err(e) => {
+                warn!(
+                    partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
+                    error = format!("{e:#}"), "place keyframe failed"
+                );
+                s.progress
+                    .place_failed(format!("place {}/{}: {e:#}", s.brand_id, s.place_id))
+                    .await;
+            }
+        }
+        metrics::histogram!(names::KEYFRAME_SECONDS).record(started.elapsed().as_secs_f64());
+        if s.last_of_job {
+            s.progress.worker_done(None).await;
+        }
+    }
+
     /// Freezes a place (one Redis step). Runs inside the partition's worker
     /// loop, between two command messages, so the frozen place is the place
     /// exactly after the last applied command.
@@ -162,14 +343,8 @@ impl Worker {
         for chunk in ids.chunks(MARK_CHUNK) {
             let (then, now) =
                 self.store.frozen_and_live(partition, f.brand_id, f.place_id, chunk).await?;
-            for ((id, then), now) in chunk.iter().zip(then).zip(now) {
-                if let Some(r) = then.filter(|r| f.counts(r)) {
-                    digest.remove(id, r.updated_at);
-                }
-                if let Some(r) = now.filter(|r| f.counts(r)) {
-                    digest.add(id, r.updated_at);
-                }
-            }
+            let sides = chunk.iter().map(String::as_str).zip(then).zip(now);
+            digest = digest_at_mark(digest, f, sides.map(|((id, then), now)| (id, then, now)));
         }
         let command_seq = self.store.applied_seq(partition).await?;
         let mark = ChangeBatch {

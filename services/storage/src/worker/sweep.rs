@@ -27,7 +27,7 @@ use crate::apply::{apply_batch, reason};
 use crate::outbox::TraceParts;
 use crate::relay::Relay;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
-use crate::worker::{HandleError, Handled, Worker};
+use super::{HandleError, Handled, Worker};
 
 /// Records one sweep step marks absent at most (and generation entries one
 /// census step reads).

@@ -1,0 +1,507 @@
+//! The commit path: what a batch reads before it is applied, and the one
+//! atomic step that writes its slots, touched sets, decided sweeps, outbox
+//! entries and new position — fenced, so that a second owner of a partition
+//! writes nothing. The writes travel as a list interpreted by Lua
+//! ([`OPS_LUA`]), built by [`CommitOps`] and the write builders below.
+
+use std::collections::{BTreeMap, HashMap};
+
+use prost::Message;
+use redis::Value;
+use shelfsync_proto::{CommandBatch, Record, SweepOutcome};
+
+use super::{Column, RedisConn, hmget_place};
+use super::{Commit, Fence, Keys, Loaded, Position, Store, StoreError, StreamBinding, Writes};
+use crate::apply::{Key, Slot, Touch, touched, touched_set};
+
+/// How long a sweep's outcome is kept for its import's report, and a
+/// touched set whose sweep did not come (refreshed by every append).
+const SWEPT_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+/// How long the touched set of a held sweep is kept, for its release.
+const HELD_TOUCHED_TTL_MS: u64 = 30 * 24 * 3600 * 1000;
+
+/// The interpreter of a list of writes, shared by [`COMMIT_LUA`] and
+/// the purges. From ARGV[i] on, each write is `op key-index count
+/// args...`. `CHSET` and `CHDEL` are `HSET` and `HDEL` on a place's records
+/// or generations: their first two args are the key indices of the place's
+/// frozen marker and of its frozen hash, and while the marker exists, the
+/// value each field had before its first write since the freeze is kept
+/// there (`=`value, or `-` when it had none): copy on write, so a freeze is
+/// one small step whatever the size of the place.
+const OPS_LUA: &str = r#"
+local function keep(marker, frozen, key, from, to, stride)
+  if redis.call('EXISTS', marker) == 0 then return end
+  for j = from, to, stride do
+    local f = ARGV[j]
+    if redis.call('HEXISTS', frozen, f) == 0 then
+      local old = redis.call('HGET', key, f)
+      if old then redis.call('HSET', frozen, f, '=' .. old) else redis.call('HSET', frozen, f, '-') end
+    end
+  end
+  local ttl = redis.call('PTTL', marker)
+  if ttl > 0 then redis.call('PEXPIRE', frozen, ttl) end
+end
+local function run_ops(i)
+  local n = #ARGV
+  while i <= n do
+    local op = ARGV[i]
+    local key = KEYS[tonumber(ARGV[i + 1])]
+    local count = tonumber(ARGV[i + 2])
+    i = i + 3
+    local from = i
+    if op == 'CHSET' or op == 'CHDEL' then
+      local stride = 1
+      if op == 'CHSET' then stride = 2 end
+      keep(KEYS[tonumber(ARGV[i])], KEYS[tonumber(ARGV[i + 1])], key, i + 2, i + count - 1, stride)
+      op = string.sub(op, 2)
+      from = i + 2
+    elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
+        and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
+        and op ~= 'DEL' then
+      return 'unknown op ' .. op
+    end
+    redis.call(op, key, unpack(ARGV, from, i + count - 1))
+    i = i + count
+  end
+end
+"#;
+
+/// Checks that the partition stands where the caller read it (KEYS[1] the
+/// applied sequence = ARGV[1], KEYS[3] the step = ARGV[3], and — when ARGV[5]
+/// is not empty — KEYS[4] the command stream's identity = ARGV[5]), then runs
+/// every write ([`OPS_LUA`] from ARGV[6] on) and moves the partition to
+/// ARGV[2] / ARGV[4] (an empty step: none), all in one atomic step. Returns 0
+/// when fenced, else the head of the outbox (KEYS[2]).
+const COMMIT_LUA: &str = r#"
+local cur = redis.call('GET', KEYS[1]) or '0'
+if cur ~= ARGV[1] then return 0 end
+local step = redis.call('GET', KEYS[3]) or ''
+if step ~= ARGV[3] then return 0 end
+if ARGV[5] ~= '' and (redis.call('GET', KEYS[4]) or '') ~= ARGV[5] then return 0 end
+local err = run_ops(6)
+if err then return redis.error_reply('commit: ' .. err) end
+redis.call('SET', KEYS[1], ARGV[2])
+if ARGV[4] == '' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4]) end
+return redis.call('LRANGE', KEYS[2], 0, 255)
+"#;
+
+/// Adopts the command stream a partition's sequence counts in: ARGV[1] is
+/// its identity. Returns `adopted` when none was recorded (a new partition,
+/// or one written by a version that did not record it) or when nothing was
+/// applied yet (KEYS[2], the sequence, is 0 and KEYS[3], the step, unset:
+/// nothing can be mistaken for applied), `same`, or else the identity
+/// recorded, which differs: the stream was replaced.
+const BIND_STREAM_LUA: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return 'same' end
+local fresh = (redis.call('GET', KEYS[2]) or '0') == '0' and redis.call('EXISTS', KEYS[3]) == 0
+if not cur or fresh then redis.call('SET', KEYS[1], ARGV[1]); return 'adopted' end
+return cur
+"#;
+
+/// The script of the commit (and of the purges, fenced the same way).
+pub(super) fn commit_script() -> redis::Script {
+    redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}"))
+}
+
+/// The script of [`Store::bind_stream`].
+pub(super) fn bind_script() -> redis::Script {
+    redis::Script::new(BIND_STREAM_LUA)
+}
+
+/// Lua's `unpack` is bounded by the C stack (~8000 values): ops are chunked.
+const MAX_OP_ARGS: usize = 1000;
+
+/// Builds the argument list of [`COMMIT_LUA`].
+pub(super) struct CommitOps {
+    keys: Vec<String>,
+    key_index: HashMap<String, usize>,
+    args: Vec<Vec<u8>>,
+}
+
+impl CommitOps {
+    /// For [`COMMIT_LUA`]: the fence and the position it moves to.
+    pub(super) fn new(keys: &Keys, fence: &Fence, to: &Position) -> Self {
+        let mut ops = Self::empty();
+        for k in [keys.seq(), keys.outbox(), keys.step(), keys.stream()] {
+            ops.key(&k);
+        }
+        for a in [
+            fence.at.applied.to_string(),
+            to.applied.to_string(),
+            fence.at.step.clone(),
+            to.step.clone(),
+            fence.stream.clone(),
+        ] {
+            ops.args.push(a.into_bytes());
+        }
+        ops
+    }
+
+    fn empty() -> Self {
+        Self { keys: Vec::new(), key_index: HashMap::new(), args: Vec::new() }
+    }
+
+    fn key(&mut self, k: &str) -> usize {
+        if let Some(&i) = self.key_index.get(k) {
+            return i;
+        }
+        self.keys.push(k.to_string());
+        self.key_index.insert(k.to_string(), self.keys.len());
+        self.keys.len()
+    }
+
+    /// Adds `op key args...`, split into chunks whose length is a multiple of
+    /// `stride` (field/value pairs stay together).
+    pub(super) fn op(&mut self, op: &str, key: &str, args: Vec<Vec<u8>>, stride: usize) {
+        self.op_with(op, key, &[], args, stride);
+    }
+
+    /// `HSET` (stride 2) or `HDEL` (stride 1) on a place's records or
+    /// generations, keeping the frozen values while a keyframe has the place
+    /// frozen (`CHSET`/`CHDEL` of [`OPS_LUA`]).
+    pub(super) fn kept_op(
+        &mut self,
+        key: &str,
+        marker: &str,
+        frozen: &str,
+        args: Vec<Vec<u8>>,
+        stride: usize,
+    ) {
+        let op = if stride == 2 { "CHSET" } else { "CHDEL" };
+        let prefix = [self.key(marker), self.key(frozen)].map(|i| i.to_string().into_bytes());
+        self.op_with(op, key, &prefix, args, stride);
+    }
+
+    /// Adds `op key` with no args (`DEL`).
+    fn bare_op(&mut self, op: &str, key: &str) {
+        let ki = self.key(key);
+        self.args.extend([op.as_bytes().to_vec(), ki.to_string().into_bytes(), b"0".to_vec()]);
+    }
+
+    fn op_with(
+        &mut self,
+        op: &str,
+        key: &str,
+        prefix: &[Vec<u8>],
+        args: Vec<Vec<u8>>,
+        stride: usize,
+    ) {
+        if args.is_empty() {
+            return;
+        }
+        let ki = self.key(key);
+        let chunk = MAX_OP_ARGS - MAX_OP_ARGS % stride;
+        for part in args.chunks(chunk) {
+            self.args.push(op.as_bytes().to_vec());
+            self.args.push(ki.to_string().into_bytes());
+            self.args.push((prefix.len() + part.len()).to_string().into_bytes());
+            self.args.extend(prefix.iter().cloned());
+            self.args.extend(part.iter().cloned());
+        }
+    }
+
+    /// Runs `script` with these keys and args.
+    pub(super) async fn invoke(
+        &self,
+        script: &redis::Script,
+        conn: &mut RedisConn,
+    ) -> Result<Value, StoreError> {
+        let mut invocation = script.prepare_invoke();
+        for k in &self.keys {
+            invocation.key(k);
+        }
+        for a in &self.args {
+            invocation.arg(a.as_slice());
+        }
+        Ok(invocation.invoke_async(conn).await?)
+    }
+}
+
+/// The writes of dirty slots: records, generations, the id, tombstone and
+/// absent indexes, and the place list.
+fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
+    let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let (mut tombstones, mut absent) = (IndexWrites::default(), IndexWrites::default());
+    for ((b, p, id), slot) in slots {
+        if slot.record_dirty
+            && let Some(r) = &slot.record
+        {
+            let stored = Record { key: None, generation: 0, ..r.clone() };
+            let v = records.entry((*b, *p)).or_default();
+            v.push(id.as_bytes().to_vec());
+            v.push(stored.encode_to_vec());
+            let v = ids.entry((*b, *p)).or_default();
+            v.push(b"0".to_vec());
+            v.push(id.as_bytes().to_vec());
+        }
+        if slot.gen_dirty {
+            let v = gens.entry((*b, *p)).or_default();
+            v.push(id.as_bytes().to_vec());
+            v.push(slot.gen_entry().encode().into_bytes());
+        }
+        let member = || format!("{b}:{p}:{id}").into_bytes();
+        let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
+        tombstones.note(slot.tombstone, at, &member);
+        absent.note(slot.absent_index, at, &member);
+    }
+    let mut new_places = Vec::new();
+    for ((b, p), args) in records {
+        new_places.push(format!("{b}:{p}").into_bytes());
+        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
+        ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
+    }
+    for ((b, p), args) in gens {
+        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_gens(b, p));
+        ops.kept_op(&keys.gens(b, p), &marker, &frozen, args, 2);
+    }
+    for ((b, p), args) in ids {
+        ops.op("ZADD", &keys.ids(b, p), args, 2);
+    }
+    ops.op("SADD", &keys.places(), new_places, 1);
+    tombstones.write(ops, &keys.tombstones());
+    absent.write(ops, &keys.absent());
+}
+
+/// What one commit adds to (scored) and removes from an index zset of
+/// records (tombstones, absent records).
+#[derive(Default)]
+struct IndexWrites {
+    add: Vec<Vec<u8>>,
+    rem: Vec<Vec<u8>>,
+}
+
+impl IndexWrites {
+    /// Notes a slot's index change: `Some(true)` adds `member` scored `at`,
+    /// `Some(false)` removes it.
+    fn note(&mut self, change: Option<bool>, at: i64, member: impl FnOnce() -> Vec<u8>) {
+        match change {
+            Some(true) => {
+                self.add.push(at.to_string().into_bytes());
+                self.add.push(member());
+            }
+            Some(false) => self.rem.push(member()),
+            None => {}
+        }
+    }
+
+    /// The `ZADD`, then the `ZREM`, on the index `key`.
+    fn write(self, ops: &mut CommitOps, key: &str) {
+        ops.op("ZADD", key, self.add, 2);
+        ops.op("ZREM", key, self.rem, 1);
+    }
+}
+
+/// Appends what full imports carried to their touched sets, one `APPEND`
+/// per place and import.
+fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &[Touch]) {
+    let mut by_set: BTreeMap<(i64, i64, i64), Vec<&str>> = BTreeMap::new();
+    for t in touched {
+        by_set.entry(t.of()).or_default().push(&t.product_id);
+    }
+    for ((b, p, generation), ids) in by_set {
+        let key = keys.touched(b, p, generation);
+        ops.op("APPEND", &key, vec![touched_set::encode(ids)], 1);
+        ops.op("PEXPIRE", &key, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+    }
+}
+
+/// The writes of decided sweeps: each outcome under its import (expiring),
+/// the place's held sweep set (held) or ended (applied), and the import's
+/// touched set kept for a release (held) or dropped (applied).
+fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
+    use crate::apply::sweep::status;
+    for o in sweeps {
+        let Some(sweep) = &o.sweep else { continue };
+        let place = format!("{}:{}", sweep.brand_id, sweep.place_id).into_bytes();
+        let bytes = o.encode_to_vec();
+        let swept = keys.swept(&sweep.import_id);
+        ops.op("HSET", &swept, vec![place.clone(), bytes.clone()], 2);
+        ops.op("PEXPIRE", &swept, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+        let carried = keys.touched(sweep.brand_id, sweep.place_id, sweep.generation);
+        match o.status.as_str() {
+            status::HELD => {
+                ops.op("HSET", &keys.held(), vec![place, bytes], 2);
+                ops.op("PEXPIRE", &carried, vec![HELD_TOUCHED_TTL_MS.to_string().into_bytes()], 1);
+            }
+            status::APPLIED => {
+                ops.op("HDEL", &keys.held(), vec![place], 1);
+                ops.bare_op("DEL", &carried);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Store {
+    /// Reads where the partition stands and every record the batch's
+    /// commands touch: one HMGET per place for records and one for
+    /// generations. Sweeps are not loaded here (see `crate::worker::sweep`).
+    pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
+        let keys = self.keys(partition);
+        let (touched_keys, _) = touched(batch);
+        let mut by_place: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
+        for (b, p, id) in touched_keys {
+            by_place.entry((b, p)).or_default().push(id);
+        }
+        let mut pipe = redis::pipe();
+        pipe.get(keys.seq()).get(keys.step());
+        for ((b, p), ids) in &by_place {
+            hmget_place(&mut pipe, &keys, *b, *p, ids);
+        }
+        let mut conn = self.conn.clone();
+        let mut values: std::vec::IntoIter<Value> =
+            pipe.query_async::<Vec<Value>>(&mut conn).await?.into_iter();
+        let mut next = || values.next().unwrap_or(Value::Nil);
+        let mut loaded = Loaded::default();
+        loaded.at.applied = redis::from_redis_value::<Option<u64>>(next())?.unwrap_or(0);
+        loaded.at.step = redis::from_redis_value::<Option<String>>(next())?.unwrap_or_default();
+        for ((b, p), ids) in by_place {
+            let recs: Column = redis::from_redis_value(next())?;
+            let gens: Column = redis::from_redis_value(next())?;
+            let slots = self.slots_of(&keys, b, p, &ids, recs, gens)?;
+            for (id, slot) in ids.into_iter().zip(slots) {
+                loaded.slots.insert((b, p, id), slot);
+            }
+        }
+        Ok(loaded)
+    }
+
+    /// Where the partition stands.
+    pub async fn position(&self, partition: u32) -> Result<Position, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let (applied, step): (Option<u64>, Option<String>) =
+            redis::pipe().get(keys.seq()).get(keys.step()).query_async(&mut conn).await?;
+        Ok(Position { applied: applied.unwrap_or(0), step: step.unwrap_or_default() })
+    }
+
+    /// Some records of one place with their generations, as slots.
+    pub async fn load_place(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        ids: &[String],
+    ) -> Result<HashMap<Key, Slot>, StoreError> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let slots = self.read_slots(&self.keys(partition), brand_id, place_id, ids).await?;
+        Ok(ids.iter().map(|id| (brand_id, place_id, id.clone())).zip(slots).collect())
+    }
+
+    /// Records the command stream the partition's sequence counts in, or
+    /// says that it counts in another one.
+    pub async fn bind_stream(
+        &self,
+        partition: u32,
+        identity: &str,
+    ) -> Result<StreamBinding, StoreError> {
+        let mut conn = self.conn.clone();
+        let keys = self.keys(partition);
+        let answer: String = self
+            .bind_script
+            .key(keys.stream())
+            .key(keys.seq())
+            .key(keys.step())
+            .arg(identity)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(match answer.as_str() {
+            "adopted" | "same" => StreamBinding::Same,
+            _ => StreamBinding::Replaced { recorded: answer },
+        })
+    }
+
+    /// An operator's re-base: the partition's sequence now counts in the
+    /// stream `identity`, with every message up to `applied` taken as
+    /// applied. A message half applied in steps starts over.
+    pub async fn rebase(
+        &self,
+        partition: u32,
+        identity: &str,
+        applied: u64,
+    ) -> Result<(), StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let () = redis::pipe()
+            .atomic()
+            .set(keys.stream(), identity)
+            .ignore()
+            .set(keys.seq(), applied)
+            .ignore()
+            .del(keys.step())
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Writes the dirty slots, the outbox entries, the decided sweeps and the
+    /// new position in one atomic step, if the partition still stands where
+    /// `fence` says.
+    pub async fn commit(
+        &self,
+        partition: u32,
+        fence: &Fence,
+        to: &Position,
+        writes: &Writes<'_>,
+    ) -> Result<Commit, StoreError> {
+        let keys = self.keys(partition);
+        let mut ops = CommitOps::new(&keys, fence, to);
+        if let Some(slots) = writes.slots {
+            slot_ops(&keys, &mut ops, slots);
+        }
+        touched_ops(&keys, &mut ops, writes.touched);
+        sweep_ops(&keys, &mut ops, writes.sweeps);
+        ops.op(
+            "RPUSH",
+            &keys.outbox(),
+            writes.outbox.iter().map(Message::encode_to_vec).collect(),
+            1,
+        );
+        let mut conn = self.conn.clone();
+        match ops.invoke(&self.commit_script, &mut conn).await? {
+            Value::Int(0) => Ok(Commit::Fenced),
+            head => {
+                self.keep_head(partition, head)?;
+                Ok(Commit::Done)
+            }
+        }
+    }
+
+    /// Keeps the outbox head a write read back, for the next peek.
+    pub(super) fn keep_head(&self, partition: u32, head: Value) -> Result<(), StoreError> {
+        let raw: Vec<Vec<u8>> = match head {
+            Value::Nil => Vec::new(),
+            v => redis::from_redis_value(v)?,
+        };
+        let now = std::time::Instant::now();
+        self.read_with_write
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(partition, (now, raw));
+        Ok(())
+    }
+
+    /// `WAIT n timeout`: how many replicas have every write made on this
+    /// connection so far (every partition of this process shares it).
+    pub async fn wait_replicas(
+        &self,
+        n: usize,
+        timeout: std::time::Duration,
+    ) -> Result<usize, StoreError> {
+        Ok(self.query(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64)).await?)
+    }
+
+    /// The last applied command sequence of a partition.
+    pub async fn applied_seq(&self, partition: u32) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        let v: Option<u64> =
+            redis::cmd("GET").arg(self.keys(partition).seq()).query_async(&mut conn).await?;
+        Ok(v.unwrap_or(0))
+    }
+}

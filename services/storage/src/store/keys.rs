@@ -1,0 +1,74 @@
+//! The names of a partition's Redis keys, in one place, so that the layout
+//! documented in the parent module is the layout written and read.
+
+/// Key names of one partition.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    tag: String,
+}
+
+impl Keys {
+    pub fn new(namespace: &str, partition: u32) -> Self {
+        Self { tag: format!("{{{namespace}:p{partition}}}") }
+    }
+    pub fn records(&self, brand: i64, place: i64) -> String {
+        format!("{}:r:{brand}:{place}", self.tag)
+    }
+    pub fn gens(&self, brand: i64, place: i64) -> String {
+        format!("{}:g:{brand}:{place}", self.tag)
+    }
+    pub fn seq(&self) -> String {
+        format!("{}:seq", self.tag)
+    }
+    pub fn stream(&self) -> String {
+        format!("{}:stream", self.tag)
+    }
+    pub fn step(&self) -> String {
+        format!("{}:step", self.tag)
+    }
+    pub fn absent(&self) -> String {
+        format!("{}:absent", self.tag)
+    }
+    pub fn held(&self) -> String {
+        format!("{}:held", self.tag)
+    }
+    pub fn swept(&self, import_id: &str) -> String {
+        format!("{}:swept:{import_id}", self.tag)
+    }
+    pub fn dead(&self) -> String {
+        format!("{}:dead", self.tag)
+    }
+    pub fn outbox(&self) -> String {
+        format!("{}:outbox", self.tag)
+    }
+    pub fn tombstones(&self) -> String {
+        format!("{}:tomb", self.tag)
+    }
+    pub fn places(&self) -> String {
+        format!("{}:places", self.tag)
+    }
+    /// What the full import of `generation` carried to the place.
+    pub fn touched(&self, brand: i64, place: i64, generation: i64) -> String {
+        format!("{}:t:{brand}:{place}:{generation}", self.tag)
+    }
+    pub fn ids(&self, brand: i64, place: i64) -> String {
+        format!("{}:ids:{brand}:{place}", self.tag)
+    }
+    pub fn keyframes(&self, brand: i64, place: i64) -> String {
+        format!("{}:kf:{brand}:{place}", self.tag)
+    }
+    /// Exists while a keyframe has the place frozen: every write to the
+    /// place's records or generations then keeps the value it replaces.
+    pub fn frozen_marker(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfm:{brand}:{place}", self.tag)
+    }
+    /// The frozen values of the place's records written since the freeze
+    /// (copy on write; dropped once the keyframe is published).
+    pub fn frozen_records(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfo:r:{brand}:{place}", self.tag)
+    }
+    /// The same for the place's generations.
+    pub fn frozen_gens(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfo:g:{brand}:{place}", self.tag)
+    }
+}

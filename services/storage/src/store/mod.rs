@@ -1,0 +1,277 @@
+//! Redis: the only place storage state lives. Owns the key layout and the
+//! atomic commit; knows nothing of NATS or of merge rules.
+//!
+//! Key layout, all of one partition under one hash tag `{<ns>:p<N>}` so that
+//! every batch is single-slot and runs unchanged on Redis Cluster:
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `{ns:pN}:r:<brand>:<place>` | hash | product_id → `Record` bytes (no key, no generation) |
+//! | `{ns:pN}:g:<brand>:<place>` | hash | product_id → generation + absent/deleted flag |
+//! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
+//! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
+//! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
+//! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
+//! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
+//! | `{ns:pN}:absent` | zset | `<brand>:<place>:<product_id>` of absent records, scored by when they became absent |
+//! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
+//! | `{ns:pN}:swept:<import_id>` | hash | `<brand>:<place>` → `SweepOutcome` of that import's sweep (expires after a week) |
+//! | `{ns:pN}:dead` | list | `OutboxEntry` bytes that could not be published at all (the last 1000) |
+//! | `{ns:pN}:t:<brand>:<place>:<generation>` | string | ids the full import of that generation carried to the place (`apply::touched_set`); deleted when its sweep is applied, else expiring |
+//! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
+//! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
+//! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
+//! | `{ns:pN}:kfm:<brand>:<place>` | string | set while a keyframe has the place frozen |
+//! | `{ns:pN}:kfo:r:<brand>:<place>` | hash | while frozen: product_id → `=`record bytes as frozen, or `-` (absent) |
+//! | `{ns:pN}:kfo:g:<brand>:<place>` | hash | the same for generations |
+//!
+//! Generations live apart from records so that a sweep's census reads small
+//! entries. A full import stamps its generation only on the records it
+//! writes; the ids it carried go to the place's touched set, one `APPEND`
+//! per place and commit, so an identical re-import writes no record field.
+//!
+//! The store is split by concern, each child adding an `impl Store` block:
+//! [`keys`] (the names above), `commit` (the Lua interpreter of writes, the
+//! atomic commit, loads and the stream binding), `outbox` (peek, trim, dead
+//! letters, redrive), `sweeps` (census scans, touched sets, held sweeps,
+//! outcomes, purges), `reads` (records for other tools) and `frozen` (the copy
+//! on write of keyframes).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use prost::Message;
+use shelfsync_proto::{Record, RecordKey};
+use shelfsync_settings::RedisSettings;
+
+use crate::apply::{GenEntry, Key, Slot, Touch};
+use shelfsync_proto::{OutboxEntry, SweepOutcome};
+
+mod commit;
+mod frozen;
+mod keys;
+mod outbox;
+mod reads;
+mod sweeps;
+
+pub use keys::Keys;
+pub use outbox::OUTBOX_PEEK;
+
+/// The connection type lives in `shelfsync-redis` (shared with ingest and the
+/// aggregator); re-exported so `shelfsync_storage::RedisConn` keeps working.
+pub use shelfsync_redis::RedisConn;
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("unexpected redis reply: {0}")]
+    Reply(#[from] redis::ParsingError),
+    #[error("stored data is corrupt at {key}: {detail}")]
+    Corrupt { key: String, detail: String },
+}
+
+impl StoreError {
+    /// Worth retrying later (server down, loading, failover), as opposed to
+    /// an error that the same input will hit again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Redis(e) => shelfsync_redis::is_transient(e),
+            StoreError::Corrupt { .. } | StoreError::Reply(_) => false,
+        }
+    }
+
+    /// Stored bytes at `key` that do not decode.
+    fn corrupt(key: &str, detail: impl ToString) -> Self {
+        StoreError::Corrupt { key: key.to_string(), detail: detail.to_string() }
+    }
+}
+
+/// What a batch needs from Redis before it is applied.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Where the partition stands (applied sequence 0: none).
+    pub at: Position,
+    pub slots: HashMap<Key, Slot>,
+}
+
+/// Where a partition stands: the last command message applied whole, and
+/// how far the one after it got when it is applied in several commits (a
+/// sweep in steps; empty: none).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Position {
+    pub applied: u64,
+    pub step: String,
+}
+
+impl Position {
+    pub fn at(applied: u64) -> Self {
+        Position { applied, step: String::new() }
+    }
+}
+
+/// What a commit requires to still hold, or it is [`Commit::Fenced`]: the
+/// partition where it was read, and the command stream it counts in (empty:
+/// not checked).
+#[derive(Debug, Clone, Default)]
+pub struct Fence {
+    pub at: Position,
+    pub stream: String,
+}
+
+/// Everything one commit writes besides the position.
+#[derive(Debug, Default)]
+pub struct Writes<'a> {
+    pub slots: Option<&'a HashMap<Key, Slot>>,
+    /// Records full imports carried (appended to their touched sets).
+    pub touched: &'a [Touch],
+    pub outbox: &'a [OutboxEntry],
+    /// Decided sweeps: kept per import; a held one is kept for its place,
+    /// an applied one ends what was held for its place.
+    pub sweeps: &'a [SweepOutcome],
+}
+
+/// What binding a partition to its command stream found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamBinding {
+    /// The stream is the one the applied sequence counts in (or none was
+    /// recorded and this one now is).
+    Same,
+    /// The sequence counts in another stream, recorded as this identity: the
+    /// stream was replaced and its sequences restarted.
+    Replaced { recorded: String },
+}
+
+/// Result of the atomic commit.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Commit {
+    Done,
+    /// Another writer moved the partition's sequence since it was read: this
+    /// process is not (or no longer) the only owner. Nothing was written.
+    Fenced,
+}
+
+/// Values of an `HMGET`, in the order asked (`None`: no such field).
+type Column = Vec<Option<Vec<u8>>>;
+
+/// Storage's handle on Redis.
+#[derive(Clone)]
+pub struct Store {
+    conn: RedisConn,
+    namespace: String,
+    commit_script: redis::Script,
+    bind_script: redis::Script,
+    trim_script: redis::Script,
+    /// Per partition, how many outbox entries [`Store::outbox_peek`] last
+    /// returned and the raw bytes of the last one, so that
+    /// [`Store::outbox_trim`] removes exactly those.
+    peeked: Arc<Mutex<HashMap<u32, outbox::LastPeek>>>,
+    /// Per partition, the head of the outbox (raw) as the last commit or
+    /// trim left it: the next [`Store::outbox_peek`], read with that write.
+    read_with_write: Arc<Mutex<HashMap<u32, outbox::HeadRead>>>,
+}
+
+impl Store {
+    pub async fn connect(cfg: &RedisSettings) -> Result<Store, StoreError> {
+        Ok(Store {
+            conn: RedisConn::connect(cfg).await?,
+            namespace: cfg.namespace.clone(),
+            commit_script: commit::commit_script(),
+            bind_script: commit::bind_script(),
+            trim_script: outbox::trim_script(),
+            peeked: Arc::default(),
+            read_with_write: Arc::default(),
+        })
+    }
+
+    pub fn keys(&self, partition: u32) -> Keys {
+        Keys::new(&self.namespace, partition)
+    }
+
+    pub fn conn(&self) -> RedisConn {
+        self.conn.clone()
+    }
+
+    /// Runs one command on the shared connection (each call its own clone
+    /// of the multiplexed handle).
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(cmd.query_async(&mut conn).await?)
+    }
+
+    /// Some records of one place with their generations, as slots in the
+    /// order of `ids`: the paired `HMGET` of records and generations.
+    async fn read_slots(
+        &self,
+        keys: &Keys,
+        brand_id: i64,
+        place_id: i64,
+        ids: &[String],
+    ) -> Result<Vec<Slot>, StoreError> {
+        let mut pipe = redis::pipe();
+        hmget_place(&mut pipe, keys, brand_id, place_id, ids);
+        let mut conn = self.conn.clone();
+        let (recs, gens): (Column, Column) = pipe.query_async(&mut conn).await?;
+        self.slots_of(keys, brand_id, place_id, ids, recs, gens)
+    }
+
+    /// Decodes what [`hmget_place`] read: one slot per id, in order.
+    fn slots_of(
+        &self,
+        keys: &Keys,
+        b: i64,
+        p: i64,
+        ids: &[String],
+        recs: Column,
+        gens: Column,
+    ) -> Result<Vec<Slot>, StoreError> {
+        ids.iter()
+            .zip(recs)
+            .zip(gens)
+            .map(|((id, rec), generation)| {
+                self.slot(keys, b, p, id, rec.as_deref(), generation.as_deref())
+            })
+            .collect()
+    }
+
+    fn slot(
+        &self,
+        keys: &Keys,
+        b: i64,
+        p: i64,
+        id: &str,
+        rec: Option<&[u8]>,
+        generation: Option<&[u8]>,
+    ) -> Result<Slot, StoreError> {
+        let record = match rec {
+            Some(bytes) => Some(
+                Record::decode(bytes)
+                    .map_err(|e| StoreError::corrupt(&format!("{} {id}", keys.records(b, p)), e))?,
+            ),
+            None => None,
+        };
+        let generation = generation.and_then(GenEntry::decode).map_or(0, |g| g.generation);
+        Ok(Slot { record, generation, ..Default::default() })
+    }
+}
+
+/// Adds the paired `HMGET` of a place's records and generations to `pipe`.
+fn hmget_place(pipe: &mut redis::Pipeline, keys: &Keys, b: i64, p: i64, ids: &[String]) {
+    pipe.cmd("HMGET").arg(keys.records(b, p)).arg(ids);
+    pipe.cmd("HMGET").arg(keys.gens(b, p)).arg(ids);
+}
+
+/// A slot's record as storage hands it out: key and generation filled in
+/// (neither is stored in the record bytes).
+fn full_record(b: i64, p: i64, id: impl Into<String>, slot: Slot) -> Option<Record> {
+    let generation = slot.generation;
+    slot.record.map(|r| Record { key: Some(RecordKey::new(b, p, id)), generation, ..r })
+}
+
+/// Decodes outbox entries as stored under `key`.
+fn decode_entries(key: &str, raw: &[Vec<u8>]) -> Result<Vec<OutboxEntry>, StoreError> {
+    raw.iter()
+        .map(|b| OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::corrupt(key, e)))
+        .collect()
+}

@@ -1,0 +1,172 @@
+//! What sweeps and purges read and remove: census scans of a place's
+//! generations, the touched sets full imports leave, held sweeps and the
+//! outcomes kept per import, and the fenced purge of old tombstones and the
+//! index of absent records.
+
+use std::collections::{BTreeMap, HashSet};
+
+use prost::Message;
+use redis::Value;
+use shelfsync_proto::SweepOutcome;
+
+use super::commit::CommitOps;
+use super::{Column, Fence, Store, StoreError};
+use crate::apply::{GenEntry, Key, touched_set};
+
+impl Store {
+    /// One HSCAN step over a place's generation column: up to about `count`
+    /// entries and the next cursor (0: done). An entry may come twice.
+    pub async fn scan_gens(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<(String, GenEntry)>), StoreError> {
+        let key = self.keys(partition).gens(brand_id, place_id);
+        let (next, flat): (u64, Vec<Vec<u8>>) =
+            self.query(redis::cmd("HSCAN").arg(&key).arg(cursor).arg("COUNT").arg(count)).await?;
+        let mut out = Vec::with_capacity(flat.len() / 2);
+        for pair in flat.chunks_exact(2) {
+            let id =
+                String::from_utf8(pair[0].clone()).map_err(|e| StoreError::corrupt(&key, e))?;
+            let entry = GenEntry::decode(&pair[1]).ok_or_else(|| {
+                StoreError::corrupt(&key, format!("bad generation entry for {id}"))
+            })?;
+            out.push((id, entry));
+        }
+        Ok((next, out))
+    }
+
+    /// The ids the full import of `generation` carried to a place, as far as
+    /// committed (`None`: none kept, or expired).
+    pub async fn touched(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+        generation: i64,
+    ) -> Result<Option<HashSet<String>>, StoreError> {
+        let key = self.keys(partition).touched(brand_id, place_id, generation);
+        let blob: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
+        blob.map(|b| {
+            touched_set::decode(&b).ok_or_else(|| StoreError::corrupt(&key, "bad touched set"))
+        })
+        .transpose()
+    }
+
+    /// The sweep held for a place, if any.
+    pub async fn held(
+        &self,
+        partition: u32,
+        brand_id: i64,
+        place_id: i64,
+    ) -> Result<Option<SweepOutcome>, StoreError> {
+        let key = self.keys(partition).held();
+        let raw: Option<Vec<u8>> =
+            self.query(redis::cmd("HGET").arg(&key).arg(format!("{brand_id}:{place_id}"))).await?;
+        raw.map(|b| decode_outcome(&key, &b)).transpose()
+    }
+
+    /// Every sweep held in a partition.
+    pub async fn held_all(&self, partition: u32) -> Result<Vec<SweepOutcome>, StoreError> {
+        let key = self.keys(partition).held();
+        let raw: Vec<Vec<u8>> = self.query(redis::cmd("HVALS").arg(&key)).await?;
+        raw.iter().map(|b| decode_outcome(&key, b)).collect()
+    }
+
+    /// The outcomes of an import's sweeps of some places of a partition
+    /// (`None`: not decided yet, or expired).
+    pub async fn sweep_outcomes(
+        &self,
+        partition: u32,
+        import_id: &str,
+        places: &[(i64, i64)],
+    ) -> Result<Vec<Option<SweepOutcome>>, StoreError> {
+        if places.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = self.keys(partition).swept(import_id);
+        let fields: Vec<String> = places.iter().map(|(b, p)| format!("{b}:{p}")).collect();
+        let raw: Column = self.query(redis::cmd("HMGET").arg(&key).arg(&fields)).await?;
+        raw.into_iter().map(|b| b.map(|b| decode_outcome(&key, &b)).transpose()).collect()
+    }
+
+    /// Purges up to `limit` tombstones deleted before `cutoff_us`, fenced
+    /// like a commit (the partition must still stand at `fence`; nothing
+    /// moves it). Runs in the partition's worker between messages.
+    pub async fn purge_tombstones(
+        &self,
+        partition: u32,
+        fence: &Fence,
+        cutoff_us: i64,
+        limit: usize,
+    ) -> Result<Option<usize>, StoreError> {
+        let keys = self.keys(partition);
+        let members = self.due(&keys.tombstones(), cutoff_us, limit).await?;
+        if members.is_empty() {
+            return Ok(Some(0));
+        }
+        // One HDEL per place and hash, keeping frozen values (a keyframe may
+        // have the place frozen), all in one atomic step.
+        let mut by_place: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+        for (b, p, id) in members.iter().filter_map(|m| parse_member(m)) {
+            by_place.entry((b, p)).or_default().push(id.as_bytes().to_vec());
+        }
+        let mut ops = CommitOps::new(&keys, fence, &fence.at);
+        for ((b, p), ids) in by_place {
+            let marker = keys.frozen_marker(b, p);
+            ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids.clone(), 1);
+            ops.kept_op(&keys.gens(b, p), &marker, &keys.frozen_gens(b, p), ids.clone(), 1);
+            ops.op("ZREM", &keys.ids(b, p), ids, 1);
+        }
+        let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
+        ops.op("ZREM", &keys.tombstones(), members_raw, 1);
+        let mut conn = self.conn.clone();
+        match ops.invoke(&self.commit_script, &mut conn).await? {
+            Value::Int(0) => Ok(None),
+            head => {
+                self.keep_head(partition, head)?;
+                Ok(Some(members.len()))
+            }
+        }
+    }
+
+    /// Up to `limit` absent records that became absent before `cutoff_us`.
+    pub async fn absent_due(
+        &self,
+        partition: u32,
+        cutoff_us: i64,
+        limit: usize,
+    ) -> Result<Vec<Key>, StoreError> {
+        let members = self.due(&self.keys(partition).absent(), cutoff_us, limit).await?;
+        Ok(members.iter().filter_map(|m| parse_member(m)).collect())
+    }
+
+    /// Members of an index zset scored at or below `cutoff`, oldest first.
+    async fn due(&self, key: &str, cutoff: i64, limit: usize) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .query(
+                redis::cmd("ZRANGEBYSCORE")
+                    .arg(key)
+                    .arg("-inf")
+                    .arg(cutoff)
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(limit),
+            )
+            .await?)
+    }
+}
+
+fn decode_outcome(key: &str, bytes: &[u8]) -> Result<SweepOutcome, StoreError> {
+    SweepOutcome::decode(bytes).map_err(|e| StoreError::corrupt(key, e))
+}
+
+/// `<brand>:<place>:<product_id>`, as the index zsets hold records.
+fn parse_member(m: &str) -> Option<Key> {
+    let mut parts = m.splitn(3, ':');
+    let (b, p, id) = (parts.next()?, parts.next()?, parts.next()?);
+    Some((b.parse().ok()?, p.parse().ok()?, id.to_string()))
+}

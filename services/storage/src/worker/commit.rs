@@ -1,0 +1,425 @@
+//! One delivered command message applied and committed: decoded, joined by
+//! the messages read ahead of it, applied by the pure core, committed with
+//! its outbox in one fenced step, relayed, then acked; a failure is retried
+//! with backoff, and after enough of them dead-lettered.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use prost::Message;
+use shelfsync_proto::{CommandBatch, Rejection};
+use shelfsync_telemetry::names;
+use tokio::sync::watch;
+use tracing::{Instrument, debug, error, warn};
+
+use super::{HandleError, Handled, Worker, stopped};
+use crate::apply::{Limits, apply_batch, reason};
+use crate::failpoint;
+use crate::outbox::{Outbox, TraceParts};
+use crate::relay::Relay;
+use crate::store::{Commit, Fence, Position, StoreError, Writes};
+
+/// A non-transient failure is retried this many deliveries, then the batch
+/// is dead-lettered so that it cannot block its partition.
+const MAX_FAILED_DELIVERIES: u64 = 5;
+
+impl Worker {
+    pub(super) async fn process(
+        &self,
+        msg: jetstream::Message,
+        stream: Option<&jetstream::stream::Stream>,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) {
+        let (seq, delivered, pending) = match msg.info() {
+            Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64, info.pending),
+            Err(e) => {
+                error!(partition = %self.partition, error = %e, "message without metadata");
+                return;
+            }
+        };
+        if seq <= self.committed_through.load(Ordering::Relaxed) {
+            // Committed with an earlier delivery, its outbox relayed since.
+            if let Err(e) = msg.ack().await {
+                warn!(partition = %self.partition, seq, error = %e, "ack failed");
+            }
+            return;
+        }
+        // Read ahead only on a first delivery: a message that failed goes alone.
+        let ahead = stream.filter(|_| delivered == 1 && pending > 0);
+        let span = shelfsync_telemetry::process_span!(
+            "storage.apply_batch",
+            self.subjects.template(&msg.subject),
+            msg.subject,
+            self.subjects.storage_consumer(self.partition),
+            partition = self.partition.0,
+            command_seq = seq,
+            delivered,
+            messaging.batch.message_count = tracing::field::Empty,
+            shelfsync.command_count = tracing::field::Empty,
+            shelfsync.sweep_count = tracing::field::Empty,
+            shelfsync.read_ahead = tracing::field::Empty,
+        );
+        shelfsync_telemetry::set_parent(
+            &span,
+            shelfsync_telemetry::extract_opt(msg.headers.as_ref()),
+        );
+        let started = Instant::now();
+        let result = self
+            .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), relay, shutdown)
+            .instrument(span)
+            .await;
+        metrics::histogram!(names::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(handled) => {
+                failpoint::hit("after_publish");
+                if let Err(e) = msg.ack().await {
+                    // Redelivery is harmless: the sequence check skips it.
+                    warn!(partition = %self.partition, seq, error = %e, "ack failed");
+                }
+                failpoint::hit("after_ack");
+                if matches!(handled, Handled::Skipped) {
+                    self.stats.add(&self.stats.batches_skipped, 1);
+                }
+            }
+            Err(e) => {
+                let delay = self.backoff(delivered);
+                warn!(
+                    partition = %self.partition, seq, delivered, retry_in = ?delay,
+                    error = %e, "batch not applied; will retry"
+                );
+                self.stats.add(&self.stats.retries, 1);
+                if matches!(e, HandleError::Fenced) {
+                    self.stats.add(&self.stats.fenced, 1);
+                }
+                let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+            }
+        }
+    }
+
+    pub(super) fn backoff(&self, delivered: u64) -> Duration {
+        let base = self.settings.storage.retry_delay;
+        let factor = 1u32 << delivered.saturating_sub(1).min(6);
+        (base * factor).min(Duration::from_secs(30))
+    }
+
+    pub(super) async fn handle(
+        &self,
+        msg: &jetstream::Message,
+        seq: u64,
+        delivered: u64,
+        ahead: Option<(&jetstream::stream::Stream, u64)>,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Handled, HandleError> {
+        let trace = outbox_trace(msg);
+        let batch = match shelfsync_proto::CommandBatch::decode(msg.payload.as_ref()) {
+            Ok(b) => b,
+            Err(e) => {
+                let detail = format!("cannot decode CommandBatch: {e}");
+                return self
+                    .dead_letter(
+                        seq,
+                        reason::UNDECODABLE,
+                        detail,
+                        &msg.payload,
+                        &trace,
+                        relay,
+                        shutdown,
+                    )
+                    .await;
+            }
+        };
+        let span = tracing::Span::current();
+        let result = if batch.sweeps.is_empty() {
+            let mut parts = vec![(seq, batch)];
+            if let Some((stream, pending)) = ahead {
+                self.read_ahead(stream, pending, &mut parts).await;
+                span.record("shelfsync.read_ahead", parts.len() - 1);
+            }
+            // Messages read ahead are applied with this one: a batch
+            // operation in the messaging conventions' sense.
+            if parts.len() > 1 {
+                span.record("messaging.batch.message_count", parts.len());
+            }
+            let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
+            span.record("shelfsync.command_count", commands);
+            match self.apply_and_commit(&parts, &trace, relay).await {
+                Ok(Handled::Applied) => {
+                    failpoint::hit("after_commit");
+                    self.relay_until_done(relay, shutdown).await;
+                    if !*shutdown.borrow() {
+                        let last = parts.last().map_or(seq, |(s, _)| *s);
+                        self.committed_through.fetch_max(last, Ordering::Relaxed);
+                    }
+                    Ok(Handled::Applied)
+                }
+                other => other,
+            }
+        } else {
+            span.record("shelfsync.command_count", batch.commands.len());
+            span.record("shelfsync.sweep_count", batch.sweeps.len());
+            self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await
+        };
+        match result {
+            Ok(Handled::Skipped) => {
+                // Published or not, a committed outbox is drained before the ack.
+                relay.relay().await?;
+                Ok(Handled::Skipped)
+            }
+            Ok(Handled::Applied) => Ok(Handled::Applied),
+            Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e),
+            Err(e) => {
+                let detail = format!("failed {delivered} times: {e}");
+                self.dead_letter(seq, reason::FAILED, detail, &msg.payload, &trace, relay, shutdown)
+                    .await
+            }
+        }
+    }
+
+    /// Limits and clock of a batch applied now.
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            partition: self.partition.0,
+            partitions: self.settings.storage.partitions,
+            max_record_bytes: self.settings.storage.max_record_bytes,
+            now_us: Self::now_us(),
+        }
+    }
+
+    /// How this worker names and sizes its outbox entries.
+    pub(crate) fn outbox<'a>(&'a self, trace: &'a TraceParts, relay: &Relay) -> Outbox<'a> {
+        Outbox {
+            partition: self.partition,
+            subjects: &self.subjects,
+            max_bytes: self.max_bytes,
+            floors: relay.floors(),
+            trace,
+        }
+    }
+
+    /// Applies the command messages `parts` (ascending, consecutive on the
+    /// partition's subject, no sweeps) in order and commits those not
+    /// applied yet as one step.
+    pub(super) async fn apply_and_commit(
+        &self,
+        parts: &[(u64, CommandBatch)],
+        trace: &TraceParts,
+        relay: &mut Relay,
+    ) -> Result<Handled, HandleError> {
+        let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
+        // Commands this owner can vouch for are neither loaded nor applied.
+        let splits = self.known().split(&parts.iter().map(|(_, b)| b).collect::<Vec<_>>());
+        let to_load = CommandBatch {
+            commands: splits.iter().flat_map(|s| s.rest.commands.iter().cloned()).collect(),
+            ..Default::default()
+        };
+        let mut loaded = self.store.load(self.partition.0, &to_load).await?;
+        let todo: Vec<(&(u64, CommandBatch), &crate::known::Split)> =
+            parts.iter().zip(&splits).filter(|((seq, _), _)| *seq > loaded.at.applied).collect();
+        if todo.is_empty() {
+            debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
+            return Ok(Handled::Skipped);
+        }
+        if !loaded.at.step.is_empty() {
+            return Err(HandleError::StepOfAnother { seq: last, step: loaded.at.step });
+        }
+        let limits = self.limits();
+        // The changes of all of them go out together, per place, in the
+        // order they were applied, under the last one's sequence.
+        let (mut changes, mut rejections) = (Vec::new(), Vec::new());
+        let mut outcomes = Vec::with_capacity(todo.len());
+        let mut skipped = Vec::new();
+        for ((_, batch), split) in &todo {
+            let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
+            let n = split.skipped.len() as u64;
+            (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
+            self.stats.add(&self.stats.known_skipped, n);
+            skipped.extend(split.skipped.iter().cloned());
+            let n_changes = outcome.changes.len() as u64;
+            changes.append(&mut outcome.changes);
+            rejections.extend(outcome.rejections.iter().cloned());
+            outcomes.push((batch, n_changes, outcome));
+        }
+        let touched: Vec<crate::apply::Touch> = outcomes
+            .iter()
+            .flat_map(|(_, _, o)| o.touched.iter().cloned())
+            .chain(skipped.iter().filter_map(crate::known::Skipped::touch))
+            .collect();
+        let rejected: Vec<crate::apply::Key> = rejections
+            .iter()
+            .filter_map(|r| r.key.as_ref())
+            .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
+            .collect();
+        let (outbox, _) =
+            self.outbox(trace, relay).entries(last, &last.to_string(), 0, changes, rejections);
+        failpoint::hit("before_commit");
+        let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
+        let writes =
+            Writes { slots: Some(&loaded.slots), touched: &touched, outbox: &outbox, sweeps: &[] };
+        match self.commit(&fence, &Position::at(last), &writes).await? {
+            Commit::Done => {}
+            Commit::Fenced => return Err(HandleError::Fenced),
+        }
+        let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
+        self.known().committed(&loaded.slots, applied, &rejected);
+        self.wait_replicas().await?;
+        self.note_changed(&loaded.slots);
+        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(p, _)| *p)));
+        let s = &self.stats;
+        s.add(&s.batches, todo.len() as u64);
+        s.add(
+            &s.batches_ahead,
+            todo.iter().filter(|((seq, _), _)| *seq != parts[0].0).count() as u64,
+        );
+        for (batch, n_changes, o) in outcomes {
+            self.count_applied(batch, n_changes, &o);
+        }
+        Ok(Handled::Applied)
+    }
+
+    /// Commits `writes` and keeps [`Known`] true: the records written are
+    /// forgotten, and a commit that failed or was fenced (it may have been
+    /// written all the same, or another owner wrote) forgets everything.
+    pub(crate) async fn commit(
+        &self,
+        fence: &Fence,
+        to: &Position,
+        writes: &Writes<'_>,
+    ) -> Result<Commit, StoreError> {
+        let result = self.store.commit(self.partition.0, fence, to, writes).await;
+        let mut known = self.known();
+        match (&result, writes.slots) {
+            (Ok(Commit::Done), Some(slots)) => known.forget_written(slots),
+            (Ok(Commit::Done), None) => {}
+            _ => known.clear(),
+        }
+        result
+    }
+
+    /// Counts what one applied command message did (`n_changes`: its
+    /// changes, which the caller may have moved out of `o` already).
+    pub(crate) fn count_applied(
+        &self,
+        batch: &CommandBatch,
+        n_changes: u64,
+        o: &crate::apply::Outcome,
+    ) {
+        let s = &self.stats;
+        s.add(&s.commands, batch.commands.len() as u64);
+        s.add(&s.applied, o.applied);
+        s.add(&s.changes, n_changes);
+        s.add(&s.unchanged, o.unchanged);
+        s.add(&s.rejected, o.rejections.len() as u64);
+        record_applied(batch, o.applied, o.unchanged, n_changes);
+        record_rejections(&o.rejections);
+    }
+
+    /// With `redis.wait_replicas`, waits until that many Redis replicas have
+    /// every write so far (`WAIT`), however many timeouts it takes: a commit
+    /// is not published nor acked before.
+    pub(crate) async fn wait_replicas(&self) -> Result<(), StoreError> {
+        let want = self.settings.redis.wait_replicas;
+        if want == 0 {
+            return Ok(());
+        }
+        let mut logged = false;
+        loop {
+            let have = self.store.wait_replicas(want, self.settings.redis.wait_timeout).await?;
+            if have >= want {
+                return Ok(());
+            }
+            metrics::counter!(names::REDIS_WAIT_RETRIES).increment(1);
+            if !logged {
+                warn!(
+                    partition = %self.partition, want, have,
+                    "Redis replicas did not confirm the commit in time; waiting (nothing is \
+                     published or acked before)"
+                );
+                logged = true;
+            }
+        }
+    }
+
+    /// Relays until the outbox is empty, backing off while NATS or Redis is
+    /// away; gives up only on shutdown (the outbox stays for the next run).
+    pub(crate) async fn relay_until_done(
+        &self,
+        relay: &mut Relay,
+        shutdown: &mut watch::Receiver<bool>,
+    ) {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match relay.relay().await {
+                Ok(_) => return,
+                Err(e) => {
+                    warn!(partition = %self.partition, error = %e, retry_in = ?delay, "outbox relay failed");
+                    if *shutdown.borrow() {
+                        return;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = stopped(shutdown) => return,
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+/// The trace context and baggage to keep with the outbox entries of `msg`:
+/// the current (apply) span's, or — tracing not installed — the message's
+/// own.
+fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
+    let mut cx = shelfsync_telemetry::current_context();
+    if !shelfsync_telemetry::is_valid(&cx) {
+        cx = shelfsync_telemetry::extract_opt(msg.headers.as_ref());
+    }
+    shelfsync_telemetry::parts(&cx)
+}
+
+/// When the oldest command of `batches` was published, microseconds since
+/// the epoch (0: none says).
+fn oldest_published<'a>(
+    batches: impl IntoIterator<Item = &'a (u64, shelfsync_proto::CommandBatch)>,
+) -> i64 {
+    batches
+        .into_iter()
+        .flat_map(|(_, b)| &b.commands)
+        .filter_map(|c| c.origin.as_ref().map(|o| o.published_at))
+        .filter(|&t| t > 0)
+        .min()
+        .unwrap_or(0)
+}
+
+/// Metrics of one committed command message.
+fn record_applied(
+    batch: &shelfsync_proto::CommandBatch,
+    applied: u64,
+    unchanged: u64,
+    changes: u64,
+) {
+    metrics::counter!(names::COMMANDS_APPLIED).increment(applied);
+    metrics::counter!(names::COMMANDS_UNCHANGED).increment(unchanged);
+    metrics::counter!(names::CHANGES_EMITTED).increment(changes);
+    let freshness = metrics::histogram!(names::FRESHNESS_SECONDS, "stage" => "storage");
+    for c in &batch.commands {
+        if let Some(s) =
+            c.origin.as_ref().and_then(|o| shelfsync_telemetry::seconds_since_us(o.published_at))
+        {
+            freshness.record(s);
+        }
+    }
+}
+
+fn record_rejections(rejections: &[Rejection]) {
+    for r in rejections {
+        if r.reason == reason::CONFLICT {
+            metrics::counter!(names::CAS_CONFLICTS).increment(1);
+        }
+        metrics::counter!(names::REJECTS, "reason" => r.reason.clone()).increment(1);
+    }
+}
