@@ -70,7 +70,7 @@ pub struct ImportReport {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HeldSweep {
     pub place_id: i64,
-    /// `no_item_accepted`, `missing_from_dump` or `over_fraction`.
+    /// `no_item_accepted`, `missing_from_dump`, `nothing_carried` or `over_fraction`.
     pub reason: String,
     /// Items of the place this import accepted.
     pub accepted: u64,
