@@ -9,12 +9,13 @@ except ImportError:  # Python < 3.11
 
 from .core import PREFIX, ROOT, check, fail, skip
 
-# The shape of the settings, read from shared/settings/src/lib.rs (struct name -> field -> type).
+# The shape of the settings, read from the source of shared/settings (lib.rs and its section
+# modules, shared/settings/src/*.rs): struct name -> field -> type.
 def settings_schema():
-    path = ROOT / "shared/settings/src/lib.rs"
-    if not path.exists():
+    files = sorted((ROOT / "shared/settings/src").glob("*.rs"))
+    if not files:
         return None
-    src = path.read_text()
+    src = "\n".join(f.read_text() for f in files)
     structs = {}
     for m in re.finditer(r"pub struct (\w+)\s*\{(.*?)\n\}", src, re.S):
         fields = {}
@@ -133,7 +134,7 @@ def toml_file(path):
 
 def check_settings_files():
     if SCHEMA is None:
-        skip("settings files", "shared/settings/src/lib.rs not found or not parseable")
+        skip("settings files", "shared/settings/src/*.rs not found or not parseable")
         return
     if tomllib is None:
         skip("settings files", "Python >= 3.11 (tomllib) needed")
