@@ -1,15 +1,17 @@
 //! Certificates for the TLS tests, made on the spot.
 
+/// Runs the `openssl` CLI; a failure fails the test with its stderr.
+fn openssl(args: &[&str]) {
+    let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
+    assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
+}
+
 /// A private CA and a certificate for 127.0.0.1 signed by it, made with the
 /// `openssl` CLI: `(dir, ca.pem, cert.pem, key.pem)`.
 pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
     let dir = tempfile::tempdir().expect("tmp");
     let p = |f: &str| dir.path().join(f).display().to_string();
-    let run = |args: &[&str]| {
-        let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
-        assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
-    };
-    run(&[
+    openssl(&[
         "req",
         "-x509",
         "-newkey",
@@ -24,7 +26,7 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
         "-out",
         &p("ca.pem"),
     ]);
-    run(&[
+    openssl(&[
         "req",
         "-newkey",
         "rsa:2048",
@@ -37,7 +39,7 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
         &p("req.csr"),
     ]);
     std::fs::write(p("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("ext");
-    run(&[
+    openssl(&[
         "x509",
         "-req",
         "-in",
@@ -57,16 +59,13 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
     let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
     (dir, ca, cert, key)
 }
+
 /// A client certificate (`CN=shelfsync test client`, for TLS client
 /// authentication) signed by the CA that [`test_certificates`] made in
 /// `dir`: `(client.pem, client-key.pem)`.
 pub fn test_client_certificate(dir: &std::path::Path) -> (String, String) {
     let p = |f: &str| dir.join(f).display().to_string();
-    let run = |args: &[&str]| {
-        let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
-        assert!(ok.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
-    };
-    run(&[
+    openssl(&[
         "req",
         "-newkey",
         "rsa:2048",
@@ -79,7 +78,7 @@ pub fn test_client_certificate(dir: &std::path::Path) -> (String, String) {
         &p("client.csr"),
     ]);
     std::fs::write(p("client.cnf"), "extendedKeyUsage=clientAuth\n").expect("ext");
-    run(&[
+    openssl(&[
         "x509",
         "-req",
         "-in",
