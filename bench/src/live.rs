@@ -66,8 +66,8 @@ impl Handler for TimedIndex {
         Ok(())
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
-        self.inner.reset_place(brand_id, place_id).await
+    async fn reset_place(&mut self, place: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
+        self.inner.reset_place(place).await
     }
 }
 
@@ -300,7 +300,7 @@ async fn keyframe_place_by_place(world: &World, storage: &Target) -> anyhow::Res
         let replies = shelfsync_bus::request_keyframe(
             &world.client,
             &storage.subjects(),
-            Some((BRAND, place)),
+            Some(shelfsync_proto::PlaceKey::new(BRAND, place)),
             1,
             Duration::from_secs(600),
         )

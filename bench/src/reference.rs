@@ -72,7 +72,7 @@ struct Ctx {
 pub async fn run(kind: RefKind, settings: Settings) -> anyhow::Result<()> {
     let client = shelfsync_bus::connect(&settings.nats, kind.name(), false).await?;
     let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-    shelfsync_bus::provision(&js, &settings).await?;
+    shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
     let redis = RedisConn::connect(&settings.redis).await.context("connecting to Redis")?;
     let max_bytes =
         client.server_info().max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);

@@ -6,10 +6,9 @@
 //! applied all of it (its command work queue is empty; for storage also its outboxes).
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
 
 use crate::children::{RefKind, Target};
 use crate::feeds::Feeds;
@@ -163,7 +162,7 @@ async fn key_memory(world: &World, storage: &Target) -> anyhow::Result<Vec<(Stri
 }
 
 async fn importer_for(target: &Target) -> anyhow::Result<Importer> {
-    Importer::connect(Arc::new(target.settings.clone())).await
+    Importer::connect(ImportConfig::from(&target.settings)).await
 }
 
 async fn import_once(

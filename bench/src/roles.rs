@@ -2,9 +2,9 @@
 //! them), loaded exactly as the services load theirs.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
+use shelfsync_service::Service as _;
 use shelfsync_settings::Settings;
 
 use crate::children::RefKind;
@@ -21,7 +21,7 @@ pub async fn run(role: ChildRole) -> anyhow::Result<()> {
     }
 }
 
-/// Word for word what `services/storage/src/main.rs` does after parsing its arguments.
+/// What `shelfsync_service::main` does for storage once the settings are loaded.
 async fn storage(settings: Settings) -> anyhow::Result<()> {
     let _telemetry = shelfsync_telemetry::init("shelfsync-storage", &settings.telemetry)?;
     shelfsync_storage::App::build(settings)
@@ -33,7 +33,7 @@ async fn storage(settings: Settings) -> anyhow::Result<()> {
 /// One full import of `path` by the ingest library, then one JSON line on stdout: the report's
 /// counts, this process' CPU seconds and its peak RSS (`VmHWM`, read before exiting).
 async fn import(settings: Settings, path: &Path) -> anyhow::Result<()> {
-    let importer = Importer::connect(Arc::new(settings)).await?;
+    let importer = Importer::connect(ImportConfig::from(&settings)).await?;
     let rss_before_kb = measure::status_kb("self", "VmRSS").unwrap_or(0);
     let report = importer
         .import(&crate::world::partner(false), Source::File(path.to_path_buf()), None)

@@ -15,6 +15,7 @@ use shelfsync_proto::{
     Change, ChangeBatch, ChangeKind, CommandBatch, CommandKind, Origin, Product, Record, RecordKey,
     Rejection, RejectionBatch, msg_type,
 };
+use shelfsync_service::Service as _;
 use shelfsync_settings::Settings;
 use shelfsync_testkit::TestEnv;
 use tokio::process::{Child, Command};

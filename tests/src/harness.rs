@@ -35,7 +35,7 @@ impl Harness {
     pub async fn connect(settings: Settings) -> anyhow::Result<Self> {
         let client = shelfsync_bus::connect(&settings.nats, "test-harness", false).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings).await?;
+        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
         let store = Store::connect(&settings.redis).await?;
         Ok(Self {
             subjects: Subjects::new(&settings.nats.prefix),

@@ -50,9 +50,9 @@ impl shelfsync_feed::Handler for FeedMirror {
 
     async fn reset_place(
         &mut self,
-        brand_id: i64,
-        place_id: i64,
+        place: shelfsync_feed::PlaceKey,
     ) -> Result<(), shelfsync_feed::HandlerError> {
+        let shelfsync_feed::PlaceKey { brand_id, place_id } = place;
         self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
         Ok(())
     }

@@ -258,7 +258,8 @@ impl Handler for Mirror {
         Ok(())
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
+    async fn reset_place(&mut self, place: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
+        let shelfsync_feed::PlaceKey { brand_id, place_id } = place;
         self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
         Ok(())
     }
@@ -485,7 +486,7 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     // Streams created R1 are raised to R3 in place by provisioning again.
     let h = Harness::connect(settings.clone()).await.expect("harness");
     settings.nats.stream_replicas = 3;
-    shelfsync_bus::provision(&h.js, &settings).await.expect("provision R3");
+    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology()).await.expect("provision R3");
 
     let mut cmd_stream = h.js.get_stream(h.subjects.cmd_stream()).await.expect("stream");
     assert_eq!(cmd_stream.info().await.expect("info").config.num_replicas, 3);

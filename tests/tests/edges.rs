@@ -43,7 +43,7 @@ async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
 
     // The stream is deleted and created again: its sequences start at 1.
     h.js.delete_stream(h.subjects.cmd_stream()).await.expect("delete");
-    shelfsync_bus::provision(&h.js, &settings).await.expect("recreate");
+    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology()).await.expect("recreate");
     for i in 0..3 {
         h.send(vec![price_patch(place, &format!("sku-{i}"), 200)]).await.expect("send");
     }

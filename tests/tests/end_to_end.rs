@@ -2,10 +2,9 @@
 //! validator hides the offer → the master card and the recommendations
 //! exclude it → the partner fixes the price → both include it again.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_settings::{ImportKind, PartnerSettings, PlaceRegion};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
@@ -62,7 +61,7 @@ async fn a_bad_price_is_hidden_everywhere_until_it_is_fixed() {
         .await;
     }
 
-    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
     let dir = tempfile::tempdir().expect("tmp");
     let import = |price: i64| {
         let path = dir.path().join(format!("feed-{price}.json"));

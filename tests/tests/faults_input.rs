@@ -8,12 +8,11 @@
 //! NATS and storage, in one feed.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use async_nats::jetstream::message::PublishMessage;
 use prost::Message;
 use shelfsync_bus::{Partition, TYPE_HEADER};
-use shelfsync_ingest::{ImportError, Importer, Source};
+use shelfsync_ingest::{ImportError, ImportConfig, Importer, Source};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, msg_type};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_storage::Stats;
@@ -63,7 +62,7 @@ async fn start() -> Ingest {
     settings.partners = vec![partner("nested"), partner("lines")];
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
     let dir = tempfile::tempdir().expect("tmp");
     Ingest { _env: env, h, storage, importer, settings, dir }
 }

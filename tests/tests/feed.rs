@@ -30,7 +30,8 @@ impl Handler for Replica {
         Ok(())
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
+    async fn reset_place(&mut self, place: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
+        let shelfsync_feed::PlaceKey { brand_id, place_id } = place;
         self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
         Ok(())
     }

@@ -9,11 +9,10 @@
 //! The CLI binary must be built first (`cargo build --bins -p shelfsync-cli`).
 
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use prost::Message;
-use shelfsync_ingest::{App, ImportError, ImportStatus, Importer, Source};
+use shelfsync_ingest::{App, ImportError, ImportStatus, ImportConfig, Importer, Source};
 use shelfsync_proto::CommandBatch;
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
@@ -101,7 +100,7 @@ impl Lab {
     }
 
     async fn importer(&self) -> Importer {
-        Importer::connect(Arc::new(self.settings.clone())).await.expect("importer")
+        Importer::connect(ImportConfig::from(&self.settings)).await.expect("importer")
     }
 
     /// `shelfsync import --partner flowers -`, fed on stdin by the test.

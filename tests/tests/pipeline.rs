@@ -1,9 +1,8 @@
 //! The whole pipeline — partner feed → ingest → command stream → storage →
 //! change stream — on real servers, through the importer users run.
 
-use std::sync::Arc;
 
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_proto::{ChangeKind, product_field};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
@@ -48,7 +47,7 @@ async fn start() -> Pipeline {
     ];
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
     Pipeline {
         _env: env,
         h,

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use prost::Message;
+use shelfsync_service::Service as _;
 use serde_json::{Value, json};
 use shelfsync_proto::json::record_to_json;
 use shelfsync_proto::{

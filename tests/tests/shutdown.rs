@@ -3,10 +3,9 @@
 //! applies the rest, and every record has exactly one change — nothing lost,
 //! nothing duplicated. Its HTTP port serves `/readyz` and `/metrics`.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
@@ -88,7 +87,7 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
         }
     }
     std::fs::write(&path, feed).expect("write feed");
-    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
     let import =
         tokio::spawn(async move { importer.import(&partner, Source::File(path), None).await });
 

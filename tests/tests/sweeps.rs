@@ -14,10 +14,9 @@
 //!   another partition takes live changes: that partition's longest commit
 //!   stays short (printed; docs/RELIABILITY.md has the figure).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shelfsync_ingest::{ImportReport, Importer, Source};
+use shelfsync_ingest::{ImportReport, ImportConfig, Importer, Source};
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
@@ -50,7 +49,7 @@ async fn start() -> World {
     settings.partners = vec![partner("flowers", 0.5), partner("lenient", 0.8)];
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(Arc::new(settings.clone())).await.expect("importer");
+    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
     let dir = tempfile::tempdir().expect("tmp");
     World { _env: env, h, _storage: storage, importer, settings, dir }
 }

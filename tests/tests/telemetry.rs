@@ -66,7 +66,7 @@ impl Handler for Counting {
         Ok(())
     }
 
-    async fn reset_place(&mut self, _: i64, _: i64) -> Result<(), HandlerError> {
+    async fn reset_place(&mut self, _: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
         Ok(())
     }
 }

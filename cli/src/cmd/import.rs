@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use shelfsync_ingest::{ImportError, ImportReport, Importer, Progress, Source};
+use shelfsync_ingest::{ImportError, ImportReport, ImportConfig, Importer, Progress, Source};
 use shelfsync_settings::PartnerSettings;
 
 use crate::{CliError, Context};
@@ -43,7 +43,7 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     } else {
         Source::parse(&args.source)
     };
-    let importer = Importer::connect(ctx.settings.clone())
+    let importer = Importer::connect(ImportConfig::from(&*ctx.settings))
         .await
         .context(CliError::Unavailable(
             "cannot start the import: NATS or Redis out of reach".into(),

@@ -11,7 +11,9 @@ pub struct Args {}
 
 pub async fn run(ctx: &Context, _args: Args) -> anyhow::Result<()> {
     let js = ctx.jetstream().await?;
-    shelfsync_bus::provision(&js, &ctx.settings).await.context("cannot provision the streams")?;
+    shelfsync_bus::provision(&js, &ctx.settings.nats, ctx.settings.topology())
+        .await
+        .context("cannot provision the streams")?;
     println!(
         "streams of prefix `{}` ({} command partitions):",
         ctx.settings.nats.prefix, ctx.settings.storage.partitions

@@ -11,7 +11,7 @@ use crate::CliError;
 /// bus provisions, the role being the name's last `_` token in lower case
 /// (`SHELFSYNC_CHANGES` → `changes`).
 pub fn names(settings: &Settings) -> Vec<(String, String)> {
-    shelfsync_bus::stream_configs(settings)
+    shelfsync_bus::stream_configs(&settings.nats, settings.topology())
         .into_iter()
         .map(|c| {
             let role = c.name.rsplit('_').next().unwrap_or_default().to_lowercase();

@@ -15,10 +15,9 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 use shelfsync_feed::{is_visible, product_of};
 use shelfsync_proto::{MasterCard, Record, RecordKey};
-use shelfsync_settings::AggregatorSettings;
 
-/// A place: `(brand_id, place_id)`.
-pub type PlaceKey = (i64, i64);
+pub use shelfsync_proto::PlaceKey;
+use shelfsync_settings::AggregatorSettings;
 
 /// The place → region directory: reference data from config.
 #[derive(Debug, Clone, Default)]
@@ -33,7 +32,7 @@ impl Directory {
             places: settings
                 .places
                 .iter()
-                .map(|p| ((p.brand_id, p.place_id), p.region.clone()))
+                .map(|p| (PlaceKey::new(p.brand_id, p.place_id), p.region.clone()))
                 .collect(),
             default: settings.default_region.clone(),
         }
@@ -135,7 +134,7 @@ pub enum Action {
 /// forgotten when its place is not in the directory (which also retracts
 /// what it counted while the place was in it).
 pub fn item(directory: &Directory, key: &RecordKey, record: &Record) -> Item {
-    let place = (key.brand_id, key.place_id);
+    let place = key.place();
     let action = match directory.region_of(place) {
         Some(region) => Action::Version {
             updated_at: record.updated_at,
@@ -280,7 +279,7 @@ impl Plan {
                 self.card(CardId { region, product_id }, at);
             }
             Dirty::Category { brand_id, place_id, category } => {
-                self.category((brand_id, place_id), &category, at);
+                self.category(PlaceKey::new(brand_id, place_id), &category, at);
             }
         }
     }
@@ -291,10 +290,10 @@ impl Plan {
             .cards
             .keys()
             .map(|id| Dirty::Card { region: id.region.clone(), product_id: id.product_id.clone() });
-        let categories = self.places.iter().flat_map(|((b, p), w)| {
+        let categories = self.places.iter().flat_map(|(place, w)| {
             w.categories.keys().map(|c| Dirty::Category {
-                brand_id: *b,
-                place_id: *p,
+                brand_id: place.brand_id,
+                place_id: place.place_id,
                 category: c.clone(),
             })
         });
@@ -381,7 +380,7 @@ pub fn plan(items: &[Item], seen: &mut HashMap<(PlaceKey, String), Seen>) -> Pla
 /// with the smallest brand, then place — the tie rule of `MasterCard`.
 pub fn member(place: PlaceKey) -> String {
     let flip = |x: i64| (x as u64) ^ (1 << 63);
-    format!("{:016x}:{:016x}", flip(place.0), flip(place.1))
+    format!("{:016x}:{:016x}", flip(place.brand_id), flip(place.place_id))
 }
 
 pub fn parse_member(member: &str) -> Option<PlaceKey> {
@@ -392,7 +391,7 @@ pub fn parse_member(member: &str) -> Option<PlaceKey> {
         }
         u64::from_str_radix(s, 16).ok().map(|x| (x ^ (1 << 63)) as i64)
     };
-    Some((unflip(b)?, unflip(p)?))
+    Some(PlaceKey::new(unflip(b)?, unflip(p)?))
 }
 
 /// An offer's price and currency as stored next to its member.
@@ -421,7 +420,7 @@ pub fn master_card(id: &CardId, offers: u64, cheapest: Option<&Cheapest>) -> Mas
         product_id: id.product_id.clone(),
         min_price: cheapest.map(|c| c.price),
         offers: u32::try_from(offers).unwrap_or(u32::MAX),
-        cheapest: cheapest.map(|c| RecordKey::new(c.place.0, c.place.1, id.product_id.clone())),
+        cheapest: cheapest.map(|c| RecordKey::new(c.place.brand_id, c.place.place_id, id.product_id.clone())),
         currency: cheapest.and_then(|c| c.currency.clone()),
     }
 }
@@ -522,8 +521,8 @@ pub fn card_msg_id(change: &CardChange) -> String {
 pub fn flip_msg_id(flip: &Flip) -> String {
     format!(
         "agg:cat:{}:{}:{:016x}:{}:{}",
-        flip.place.0,
-        flip.place.1,
+        flip.place.brand_id,
+        flip.place.place_id,
         hash(flip.category.as_bytes()),
         flip.version,
         u8::from(flip.non_empty)

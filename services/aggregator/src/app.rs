@@ -24,9 +24,11 @@ use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
 use shelfsync_proto::MasterCard;
 use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::Settings;
+
+use crate::Config;
 use tracing::{error, info};
 
-use crate::aggregate::CardId;
+use crate::aggregate::{CardId, PlaceKey};
 use crate::engine::Aggregator;
 
 /// How often the watcher looks for reloads to sweep.
@@ -35,16 +37,16 @@ const RELOAD_POLL: Duration = Duration::from_millis(100);
 /// The feed configuration: a durable consumer named by
 /// `aggregator.consumer`, bootstrapped from keyframes at every start (asked
 /// of the `storage.replicas` storage replicas when there is none).
-pub fn feed_config(settings: &Settings) -> FeedConfig {
+pub fn feed_config(config: &Config) -> FeedConfig {
     FeedConfig {
         bootstrap: Bootstrap::Keyframe,
-        keyframe_responders: settings.storage.replicas,
-        ..FeedConfig::new(&settings.aggregator.consumer)
+        keyframe_responders: config.topology.storage_replicas,
+        ..FeedConfig::new(&config.aggregator.consumer)
     }
 }
 
 pub struct App {
-    settings: Settings,
+    config: Config,
     client: async_nats::Client,
     aggregator: Aggregator,
     http: tokio::net::TcpListener,
@@ -57,13 +59,14 @@ impl App {
         crate::metrics::register();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings).await?;
+        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
+        let config = Config::from(&settings);
         let aggregator =
-            Aggregator::connect(&settings, client.clone()).await.with_context(|| {
+            Aggregator::connect(&config, client.clone()).await.with_context(|| {
                 format!("cannot connect to Redis at {}", settings.redis.url_redacted())
             })?;
         let http = shelfsync_service::bind(&settings.aggregator.http_listen).await?;
-        Ok(App { settings, client, aggregator, http })
+        Ok(App { config, client, aggregator, http })
     }
 
     /// Where the HTTP API listens (useful with port 0).
@@ -83,16 +86,16 @@ impl Service for App {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let App { settings, client, aggregator, http: http_listener } = self;
+        let App { config, client, aggregator, http: http_listener } = self;
         // Whatever a crash left half published goes out before anything new.
         aggregator.recover().await.context("recovering unpublished aggregates")?;
-        let mut feed = ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings));
+        let mut feed = ChangeFeed::new(client.clone(), &config.nats, feed_config(&config));
         let feed_status = feed.status();
         aggregator.follow(feed_status.clone()).await;
         info!(
-            consumer = %settings.aggregator.consumer,
-            places = settings.aggregator.places.len(),
-            default_region = ?settings.aggregator.default_region,
+            consumer = %config.aggregator.consumer,
+            places = config.aggregator.places.len(),
+            default_region = ?config.aggregator.default_region,
             http = %http_listener.local_addr()?,
             "aggregator starting"
         );
@@ -254,7 +257,7 @@ async fn card(
 }
 
 async fn categories(State(h): State<Http>, Path((brand, place)): Path<(i64, i64)>) -> Response {
-    match h.aggregator.store().categories((brand, place)).await {
+    match h.aggregator.store().categories(PlaceKey::new(brand, place)).await {
         Ok(list) => Json(list).into_response(),
         Err(e) => unavailable(&e),
     }

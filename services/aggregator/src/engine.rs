@@ -30,13 +30,13 @@ use prost::Message;
 use shelfsync_bus::{Publisher, Subjects};
 use shelfsync_feed::{FeedStatus, Handler, HandlerError, Update, UpdateKind};
 use shelfsync_proto::{AggregateChange, CategoryFlip, msg_type, now_us};
-use shelfsync_settings::Settings;
 use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span};
 
 use crate::aggregate::{
     self, Action, CardChange, Directory, Flip, Item, PlaceKey, Reload, card_msg_id, flip_msg_id,
 };
+use crate::Config;
 use crate::metrics;
 use crate::store::{Store, StoreError};
 
@@ -275,8 +275,8 @@ impl Engine {
             let msg = AggregateChange {
                 card: None,
                 category: Some(CategoryFlip {
-                    brand_id: f.place.0,
-                    place_id: f.place.1,
+                    brand_id: f.place.brand_id,
+                    place_id: f.place.place_id,
                     category: f.category.clone(),
                     non_empty: f.non_empty,
                 }),
@@ -284,7 +284,7 @@ impl Engine {
             };
             self.publisher
                 .publish(
-                    self.subjects.aggregates_category(f.place.0, f.place.1),
+                    self.subjects.aggregates_category(f.place.brand_id, f.place.place_id),
                     flip_msg_id(f),
                     msg_type::AGGREGATE_CHANGE,
                     None,
@@ -309,24 +309,24 @@ pub struct Aggregator {
 impl Aggregator {
     /// Connects to Redis; publishes through `client`.
     pub async fn connect(
-        settings: &Settings,
+        config: &Config,
         client: async_nats::Client,
     ) -> Result<Aggregator, StoreError> {
-        let store = Store::connect(&settings.redis).await?;
-        let js = shelfsync_bus::jetstream(client, &settings.nats);
+        let store = Store::connect(&config.redis).await?;
+        let js = shelfsync_bus::jetstream(client, &config.nats);
         let status = Arc::new(Status::default());
         // A retracted card's version must outlive the duplicate window, or a
         // re-created card could reuse the id of an earlier change.
         let retracted_ttl =
-            (settings.nats.duplicate_window * 2).max(Duration::from_secs(24 * 3600));
+            (config.nats.duplicate_window * 2).max(Duration::from_secs(24 * 3600));
         let engine = Engine {
             store: store.clone(),
-            publisher: Publisher::new(js, settings.nats.max_inflight),
-            subjects: Subjects::new(&settings.nats.prefix),
-            directory: Directory::new(&settings.aggregator),
+            publisher: Publisher::new(js, config.nats.max_inflight),
+            subjects: Subjects::new(&config.nats.prefix),
+            directory: Directory::new(&config.aggregator),
             reloads: BTreeMap::new(),
             recover: true,
-            tombstone_ttl_us: i64::try_from(settings.storage.tombstone_ttl.as_micros())
+            tombstone_ttl_us: i64::try_from(config.topology.tombstone_ttl.as_micros())
                 .unwrap_or(i64::MAX),
             retracted_ttl,
             feed: None,
@@ -371,7 +371,7 @@ impl Handler for Aggregator {
         self.engine.lock().await.apply(updates).await
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
-        self.engine.lock().await.reset_place((brand_id, place_id)).await
+    async fn reset_place(&mut self, place: PlaceKey) -> Result<(), HandlerError> {
+        self.engine.lock().await.reset_place(place).await
     }
 }

@@ -13,6 +13,7 @@
 //! - [`engine`]: the feed handler — plan, apply, publish, record; crash
 //!   behaviour and keyframe reloads;
 //! - [`metrics`]: every metric it exports, recorded by typed functions;
+//! - [`Config`]: the slice of the settings it reads;
 //! - [`App`]: wiring, the HTTP API, probes, graceful shutdown.
 //!
 //! It reads the change stream and writes only its own Redis keys and the
@@ -21,10 +22,12 @@
 
 pub mod aggregate;
 mod app;
+mod config;
 pub mod engine;
 pub mod metrics;
 pub mod store;
 
 pub use app::{App, feed_config};
+pub use config::Config;
 pub use engine::{Aggregator, Status};
 pub use store::{Store, StoreError};

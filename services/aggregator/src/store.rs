@@ -138,7 +138,7 @@ impl Keys {
         format!("{}:pub", self.card_tag(id))
     }
     fn place_tag(&self, place: PlaceKey) -> String {
-        format!("{{{}:agg:cat:{}:{}}}", self.ns, place.0, place.1)
+        format!("{{{}:agg:cat:{}:{}}}", self.ns, place.brand_id, place.place_id)
     }
     pub fn view(&self, place: PlaceKey) -> String {
         format!("{}:view", self.place_tag(place))

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use shelfsync_ingest::feed::{FeedEvent, parse_feed};
 use shelfsync_ingest::item::{ItemRules, OwnedFields};
-use shelfsync_ingest::{Importer, Source};
+use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
 
 /// Writes about `mb` MiB of feed, 10 000 items per place; returns the item count.
@@ -107,7 +107,8 @@ async fn main() -> anyhow::Result<()> {
     (settings.redis.url, settings.redis.namespace) = (env.redis.url(), env.namespace.clone());
     settings.storage.partitions = 16;
     let client = shelfsync_bus::connect(&settings.nats, "bench", false).await?;
-    shelfsync_bus::provision(&shelfsync_bus::jetstream(client, &settings.nats), &settings).await?;
+    let js = shelfsync_bus::jetstream(client, &settings.nats);
+    shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
     let fields = shelfsync_proto::product_field::NAMES.map(String::from).to_vec();
     let partner = PartnerSettings {
         name: "bench".into(),
@@ -120,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         clear_missing: true,
         ..Default::default()
     };
-    let importer = Importer::connect(Arc::new(settings)).await?;
+    let importer = Importer::connect(ImportConfig::from(&settings)).await?;
     let started = Instant::now();
     let report = importer.import(&partner, Source::File(path), None).await?;
     let secs = started.elapsed().as_secs_f64();

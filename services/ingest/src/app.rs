@@ -26,14 +26,14 @@ use axum::routing::post;
 use futures::StreamExt;
 use serde_json::json;
 use shelfsync_service::{Drain, Probes, Readiness, Service, serve_with_peer_addr};
-use shelfsync_settings::{PartnerSettings, Settings};
+use shelfsync_settings::{IngestSettings, PartnerSettings, Settings};
 use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_util::io::StreamReader;
 use tracing::{debug, info, warn};
 
 use crate::auth::{PushAuth, Refusal};
-use crate::import::Importer;
+use crate::import::{ImportConfig, Importer};
 use crate::report::ImportError;
 use crate::source::Source;
 
@@ -46,7 +46,8 @@ type Locks = Arc<HashMap<String, Arc<Mutex<()>>>>;
 #[derive(Clone)]
 struct AppState {
     importer: Arc<Importer>,
-    settings: Arc<Settings>,
+    partners: Arc<[PartnerSettings]>,
+    ingest: Arc<IngestSettings>,
     locks: Locks,
     auth: Arc<PushAuth>,
 }
@@ -62,16 +63,22 @@ impl App {
     /// environment), connects (NATS in the background, Redis now) and binds
     /// the listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
-        let auth = PushAuth::load(&settings, |var| std::env::var(var).ok())
-            .context("cannot load the push tokens")?;
+        let auth =
+            PushAuth::load(&settings.partners, &settings.ingest, |var| std::env::var(var).ok())
+                .context("cannot load the push tokens")?;
         let auth = Arc::new(auth);
-        let settings = Arc::new(settings);
-        let importer = Arc::new(Importer::connect_with(settings.clone(), true).await?);
+        let importer = Arc::new(Importer::connect_with(ImportConfig::from(&settings), true).await?);
         let listener = shelfsync_service::bind(&settings.ingest.listen).await?;
         let addr = listener.local_addr()?;
         let locks =
             settings.partners.iter().map(|p| (p.name.clone(), Arc::new(Mutex::new(())))).collect();
-        let state = AppState { importer, settings, locks: Arc::new(locks), auth };
+        let state = AppState {
+            importer,
+            partners: settings.partners.into(),
+            ingest: Arc::new(settings.ingest),
+            locks: Arc::new(locks),
+            auth,
+        };
         Ok(App { state, listener, addr })
     }
 
@@ -89,7 +96,7 @@ impl Service for App {
     ) -> anyhow::Result<()> {
         let drain = Drain::new();
         let mut pollers = JoinSet::new();
-        for partner in &self.state.settings.partners {
+        for partner in self.state.partners.iter() {
             if let (Some(_), Some(_)) = (&partner.source, partner.poll_interval) {
                 pollers.spawn(poll_loop(self.state.clone(), partner.clone(), drain.clone()));
             }
@@ -156,10 +163,10 @@ async fn push(
             return error(StatusCode::INTERNAL_SERVER_ERROR, format!("credentials check: {e}"));
         }
     }
-    let (Some(partner), Some(lock)) = (app.settings.partner(&name), app.locks.get(&name)) else {
+    let (Some(partner), Some(lock)) = (app.partners.iter().find(|p| p.name == name), app.locks.get(&name)) else {
         return app.auth.refuse(remote, &name, Refusal::UnknownPartner);
     };
-    let max = partner.push_limit(&app.settings.ingest);
+    let max = partner.push_limit(&app.ingest);
     let too_large = |what: &str| {
         let message =
             format!("{what} is over partner `{name}`'s push limit of {max} bytes (max_push_bytes)");

@@ -18,7 +18,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
-use shelfsync_settings::{PushToken, Settings, parse_push_tokens_file, parse_push_tokens_list};
+use shelfsync_settings::{
+    IngestSettings, PartnerSettings, PushToken, parse_push_tokens_file, parse_push_tokens_list,
+};
 use shelfsync_telemetry::names;
 use subtle::{Choice, ConstantTimeEq};
 use tracing::{info, warn};
@@ -204,11 +206,12 @@ impl PushAuth {
     /// read, a token under 16 bytes, or a token two partners share is an
     /// error: ingest does not start on a half-right configuration.
     pub(crate) fn load(
-        settings: &Settings,
+        partner_settings: &[PartnerSettings],
+        ingest: &IngestSettings,
         env: impl Fn(&str) -> Option<String>,
     ) -> anyhow::Result<PushAuth> {
         let mut partners = Vec::new();
-        for p in &settings.partners {
+        for p in partner_settings {
             let name = &p.name;
             let env_tokens = match &p.push_tokens_env {
                 None => Vec::new(),
@@ -236,7 +239,7 @@ impl PushAuth {
             let count =
                 tokens.env.len() + tokens.file.as_ref().map_or(0, |f| f.state().tokens.len());
             if tokens.enabled {
-                info!(partner = %name, tokens = count, limit_bytes = p.push_limit(&settings.ingest),
+                info!(partner = %name, tokens = count, limit_bytes = p.push_limit(ingest),
                     "push enabled");
             } else {
                 info!(partner = %name, "push disabled (no push_tokens_file nor push_tokens_env)");

@@ -33,7 +33,9 @@ use shelfsync_proto::{
     Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
     SweepsRequest, msg_type, now_us,
 };
-use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_settings::{
+    ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings, Settings, Topology,
+};
 use shelfsync_telemetry::names;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, warn};
@@ -62,10 +64,31 @@ const SWEEP_POLL: Duration = Duration::from_millis(200);
 /// Called now and then with running counts.
 pub type ProgressFn<'a> = Option<&'a (dyn Fn(&Progress) + Send + Sync)>;
 
+/// What an [`Importer`] reads of the settings file: the common parts and
+/// the `[ingest]` section (partners come with each import).
+#[derive(Debug, Clone)]
+pub struct ImportConfig {
+    pub nats: NatsSettings,
+    pub redis: RedisSettings,
+    pub topology: Topology,
+    pub ingest: IngestSettings,
+}
+
+impl From<&Settings> for ImportConfig {
+    fn from(s: &Settings) -> Self {
+        ImportConfig {
+            nats: s.nats.clone(),
+            redis: s.redis.clone(),
+            topology: s.topology(),
+            ingest: s.ingest.clone(),
+        }
+    }
+}
+
 /// Runs imports. Cheap to share (`Arc`); imports of different partners may
 /// run at once.
 pub struct Importer {
-    settings: Arc<Settings>,
+    settings: ImportConfig,
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
     subjects: Subjects,
@@ -78,13 +101,13 @@ pub struct Importer {
 impl Importer {
     /// Connects to NATS (and Redis for state) from settings; fails at once
     /// if a server is down.
-    pub async fn connect(settings: Arc<Settings>) -> anyhow::Result<Importer> {
+    pub async fn connect(settings: ImportConfig) -> anyhow::Result<Importer> {
         Self::connect_with(settings, false).await
     }
 
     /// `retry`: keep trying to reach NATS in the background (services).
     pub(crate) async fn connect_with(
-        settings: Arc<Settings>,
+        settings: ImportConfig,
         retry: bool,
     ) -> anyhow::Result<Importer> {
         shelfsync_telemetry::install_metrics();
@@ -266,10 +289,10 @@ impl Importer {
         let mut run = Run {
             partner,
             subjects: &self.subjects,
-            partitions: self.settings.storage.partitions,
+            partitions: self.settings.topology.partitions,
             publisher: Publisher::new(self.js.clone(), self.settings.nats.max_inflight),
             batcher: CommandBatcher::new(
-                self.settings.storage.partitions,
+                self.settings.topology.partitions,
                 self.settings.ingest.batch_size,
                 max_payload.saturating_sub(PAYLOAD_HEADROOM),
             ),

@@ -32,6 +32,6 @@ mod source;
 mod state;
 
 pub use app::App;
-pub use import::{Importer, ProgressFn};
+pub use import::{ImportConfig, Importer, ProgressFn};
 pub use report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 pub use source::{Source, Validators};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use prost::Message;
 use shelfsync_bus::{Subjects, partition_of};
-use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, Importer, Source};
+use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, ImportConfig, Importer, Source};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, RejectionBatch};
 use shelfsync_service::Service as _;
 use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
@@ -61,7 +61,7 @@ async fn harness(partners: Vec<PartnerSettings>) -> Result<Harness> {
     settings.validate()?;
     let client = shelfsync_bus::connect(&settings.nats, "ingest-test", false).await?;
     let js = shelfsync_bus::jetstream(client, &settings.nats);
-    shelfsync_bus::provision(&js, &settings).await?;
+    shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
     let (subjects, dir) = (Subjects::new(&settings.nats.prefix), tempfile::tempdir()?);
     Ok(Harness { _env: env, settings, js, subjects, dir })
 }
@@ -77,7 +77,7 @@ impl Harness {
     }
 
     async fn importer(&self) -> Result<Importer> {
-        Importer::connect(Arc::new(self.settings.clone())).await
+        Importer::connect(ImportConfig::from(&self.settings)).await
     }
 
     /// Writes `feed` to a file and imports it for `partner`.

@@ -20,7 +20,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
 use shelfsync_feed::{
-    ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update, is_offered,
+    ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, PlaceKey, Update, is_offered,
 };
 use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::Settings;
@@ -38,7 +38,7 @@ pub struct Pick {
 /// Picks per place; shared between the feed (writer) and HTTP (readers).
 #[derive(Debug, Default, Clone)]
 pub struct Picks {
-    places: Arc<RwLock<HashMap<(i64, i64), PlacePicks>>>,
+    places: Arc<RwLock<HashMap<PlaceKey, PlacePicks>>>,
 }
 
 /// One place's picks by product id.
@@ -65,10 +65,10 @@ impl Picks {
     }
 
     /// A place's picks, deepest discount first.
-    pub fn of_place(&self, brand: i64, place: i64) -> Vec<Pick> {
+    pub fn of_place(&self, place: PlaceKey) -> Vec<Pick> {
         let places = self.places.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<Pick> =
-            places.get(&(brand, place)).map(|m| m.values().cloned().collect()).unwrap_or_default();
+            places.get(&place).map(|m| m.values().cloned().collect()).unwrap_or_default();
         out.sort_by(|a, b| {
             b.discount_pct.total_cmp(&a.discount_pct).then(a.product_id.cmp(&b.product_id))
         });
@@ -89,8 +89,8 @@ impl Handler for Picks {
         Ok(())
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
-        self.places.write().unwrap_or_else(|e| e.into_inner()).remove(&(brand_id, place_id));
+    async fn reset_place(&mut self, place: PlaceKey) -> Result<(), HandlerError> {
+        self.places.write().unwrap_or_else(|e| e.into_inner()).remove(&place);
         Ok(())
     }
 }
@@ -103,7 +103,7 @@ fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
         .route(
             "/v1/picks/{brand}/{place}",
             get(|State(picks): State<Picks>, Path((b, p)): Path<(i64, i64)>| async move {
-                Json(picks.of_place(b, p))
+                Json(picks.of_place(PlaceKey::new(b, p)))
             }),
         )
         .with_state(picks)
@@ -127,7 +127,7 @@ impl App {
         let name = format!("picks-{}", std::process::id());
         let cfg = FeedConfig {
             metric_label: "picks".into(),
-            keyframe_responders: settings.storage.replicas,
+            keyframe_responders: settings.topology().storage_replicas,
             ..FeedConfig::new(name)
         };
         let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
@@ -208,13 +208,13 @@ mod tests {
             ])
             .await
             .expect("apply");
-        let ids: Vec<String> = picks.of_place(7, 1).into_iter().map(|p| p.product_id).collect();
+        let ids: Vec<String> = picks.of_place(PlaceKey::new(7, 1)).into_iter().map(|p| p.product_id).collect();
         assert_eq!(ids, ["half", "tenth"]);
-        assert_eq!(picks.of_place(7, 1)[0].discount_pct, 50.0);
+        assert_eq!(picks.of_place(PlaceKey::new(7, 1))[0].discount_pct, 50.0);
         // Selling out removes a pick; a reset forgets the place.
         picks.apply(&[update("half", 50, Some(100), 0, false)]).await.expect("apply");
-        assert_eq!(picks.of_place(7, 1).len(), 1);
-        picks.reset_place(7, 1).await.expect("reset");
-        assert!(picks.of_place(7, 1).is_empty());
+        assert_eq!(picks.of_place(PlaceKey::new(7, 1)).len(), 1);
+        picks.reset_place(PlaceKey::new(7, 1)).await.expect("reset");
+        assert!(picks.of_place(PlaceKey::new(7, 1)).is_empty());
     }
 }

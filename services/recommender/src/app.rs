@@ -52,7 +52,7 @@ impl App {
         let feed_name = feed_name();
         let cfg = FeedConfig {
             metric_label: "recommender".into(),
-            keyframe_responders: settings.storage.replicas,
+            keyframe_responders: settings.topology().storage_replicas,
             ..FeedConfig::new(&feed_name)
         };
         let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);

@@ -96,8 +96,8 @@ impl Handler for IndexHandler {
         Ok(())
     }
 
-    async fn reset_place(&mut self, brand_id: i64, place_id: i64) -> Result<(), HandlerError> {
-        self.index.write().reset_place(PlaceKey::new(brand_id, place_id));
+    async fn reset_place(&mut self, place: PlaceKey) -> Result<(), HandlerError> {
+        self.index.write().reset_place(place);
         Ok(())
     }
 }
@@ -184,7 +184,7 @@ mod tests {
             .read()
             .top(PlaceKey::new(7, 1), Query { category: Some("roses"), limit: 1, exclude: &[] });
         assert_eq!(top[0].product_id, "p001");
-        h.reset_place(7, 1).await.expect("reset");
+        h.reset_place(PlaceKey::new(7, 1)).await.expect("reset");
         assert!(index.read().is_empty());
     }
 }

@@ -23,17 +23,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 /// One place of one brand: the unit the index is partitioned by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PlaceKey {
-    pub brand_id: i64,
-    pub place_id: i64,
-}
-
-impl PlaceKey {
-    pub fn new(brand_id: i64, place_id: i64) -> Self {
-        Self { brand_id, place_id }
-    }
-}
+pub use shelfsync_proto::PlaceKey;
 
 /// What the index keeps of an offer that can be recommended.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -20,14 +20,15 @@ use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
 use shelfsync_proto::{
     KeyframeReply, KeyframeRequest, RebaseReply, RebaseRequest, RedriveReply, RedriveRequest,
 };
+use shelfsync_service::Service;
 use shelfsync_settings::Settings;
-use shelfsync_telemetry::names;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
 use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
 use crate::read::ReadApi;
-use crate::stats::{Readiness, Stats};
+use crate::metrics::{self, Stats};
+use crate::readiness::Readiness;
 use crate::store::Store;
 use crate::worker::{Shared, Worker};
 
@@ -104,7 +105,7 @@ impl App {
         shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-storage", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings).await?;
+        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
         let store = Store::connect(&settings.redis).await.with_context(|| {
             format!("cannot connect to Redis at {}", settings.redis.url_redacted())
         })?;
@@ -137,10 +138,16 @@ impl App {
         self.http.local_addr().expect("bound listener has an address")
     }
 
+}
+
+impl Service for App {
     /// Runs every owned partition until `shutdown` resolves, then lets each
     /// worker finish the message in hand (within a grace period), stops the
     /// read API and flushes and drains the connection.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let max_payload = self.client.server_info().max_payload;
         let max_bytes = max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
         let record_limit = self.settings.storage.max_record_bytes;
@@ -304,7 +311,7 @@ async fn sample_gauges(
                 let name = subjects.storage_consumer(Partition(p));
                 if let Ok(info) = stream.consumer_info(&name).await {
                     let lag = info.num_pending + info.num_ack_pending as u64;
-                    metrics::gauge!(names::CONSUMER_LAG, "consumer" => name).set(lag as f64);
+                    metrics::consumer_lag(name, lag);
                 }
             }
         }
@@ -312,7 +319,7 @@ async fn sample_gauges(
         for &p in &owned {
             depth += store.outbox_len(p).await.unwrap_or(0);
         }
-        metrics::gauge!(names::OUTBOX_DEPTH).set(depth as f64);
+        metrics::outbox_depth(depth);
     }
 }
 

@@ -23,10 +23,12 @@ mod known;
 mod outbox;
 pub mod read;
 mod relay;
-pub mod stats;
+pub mod metrics;
+mod readiness;
 pub mod store;
 mod worker;
 
 pub use app::{App, shutdown_signal};
-pub use stats::Stats;
+pub use metrics::Stats;
+pub use readiness::Readiness;
 pub use store::{RedisConn, Store, StoreError};

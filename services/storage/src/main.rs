@@ -1,25 +1,7 @@
 //! `shelfsync-storage`: applies partitioned command batches to Redis.
-use std::path::PathBuf;
-
-use clap::Parser;
-
-#[derive(Parser)]
-#[command(name = "shelfsync-storage", version, about = "shelfsync storage service")]
-struct Args {
-    /// TOML settings files, in order (repeat --config, or separate them with
-    /// `:` in SHELFSYNC_CONFIG): a later file overrides an earlier one, and
-    /// SHELFSYNC__SECTION__KEY variables override them all.
-    #[arg(long, env = "SHELFSYNC_CONFIG", value_name = "FILE", value_delimiter = ':')]
-    config: Vec<PathBuf>,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let settings = shelfsync_settings::Settings::load_files(&args.config)?;
-    let _telemetry = shelfsync_telemetry::init("shelfsync-storage", &settings.telemetry)?;
-    shelfsync_storage::App::build(settings)
-        .await?
-        .run_until(shelfsync_storage::shutdown_signal())
-        .await
+    let about = "shelfsync storage service";
+    shelfsync_service::main("shelfsync-storage", about, shelfsync_storage::App::build).await
 }

@@ -66,7 +66,7 @@ pub struct ReadApi {
     store: Store,
     settings: Arc<Settings>,
     stats: Arc<crate::Stats>,
-    ready: Option<Arc<crate::stats::Readiness>>,
+    ready: Option<Arc<crate::readiness::Readiness>>,
 }
 
 fn check_product_id(id: &str) -> Result<(), ReadError> {
@@ -85,7 +85,7 @@ impl ReadApi {
     }
 
     /// `/readyz` also follows the workers' readiness.
-    pub fn with_readiness(mut self, ready: Arc<crate::stats::Readiness>) -> Self {
+    pub fn with_readiness(mut self, ready: Arc<crate::readiness::Readiness>) -> Self {
         self.ready = Some(ready);
         self
     }

@@ -26,12 +26,11 @@ use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use shelfsync_bus::{Failure, Partition, PublishFailed, Publisher, Subjects};
 use shelfsync_proto::{OutboxEntry, msg_type};
-use shelfsync_telemetry::names;
 use tracing::{Instrument, error, warn};
 
 use crate::failpoint;
 use crate::outbox::smaller;
-use crate::stats::Stats;
+use crate::metrics::Stats;
 use crate::store::{OUTBOX_PEEK, Store, StoreError};
 
 /// How many times an entry JetStream refuses (other than for its size) is
@@ -207,17 +206,8 @@ impl Relay {
             }
             failpoint::hit("after_outbox_publish");
             self.store.outbox_trim(self.partition.0, entries.len()).await?;
-            if again > 0 {
-                metrics::counter!(names::OUTBOX_ALREADY_STORED).increment(again);
-            }
             total += entries.len();
-            self.stats.add(&self.stats.published, entries.len() as u64);
-            let change_bytes: usize = entries
-                .iter()
-                .filter(|e| e.msg_type == msg_type::CHANGE_BATCH)
-                .map(|e| e.payload.len())
-                .sum();
-            self.stats.add(&self.stats.change_bytes, change_bytes as u64);
+            self.stats.relayed(&entries, again);
         }
     }
 
@@ -299,7 +289,7 @@ impl Relay {
                 .await;
                 match sent {
                     Ok(()) => {
-                        metrics::counter!(names::OUTBOX_REDUCED).increment(1);
+                        self.stats.outbox_reduced();
                     }
                     Err(f) if f.is_too_large() => todo.push(piece),
                     Err(f) => return Err(f.into()),
@@ -321,7 +311,7 @@ impl Relay {
             bytes = e.payload.len(), reason,
             "an outbox entry cannot be published; kept aside (shelfsync dead-letters) and skipped"
         );
-        metrics::counter!(names::OUTBOX_UNPUBLISHABLE, "reason" => reason).increment(1);
+        self.stats.outbox_unpublishable(reason);
         Ok(())
     }
 }

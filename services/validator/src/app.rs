@@ -29,10 +29,12 @@ pub fn feed_config(settings: &ValidatorSettings) -> FeedConfig {
     }
 }
 
+/// The validator, built: the one place that reads the whole settings file
+/// and hands each part only its section.
 pub struct App {
-    settings: Arc<Settings>,
+    consumer: String,
     client: async_nats::Client,
-    rules: Arc<Rules>,
+    handler: Validator,
     feed: ChangeFeed,
     stats: Arc<Stats>,
     http: tokio::net::TcpListener,
@@ -47,14 +49,15 @@ impl App {
         let http = shelfsync_service::bind(&settings.validator.http_listen).await?;
         let feed =
             ChangeFeed::new(client.clone(), &settings.nats, feed_config(&settings.validator));
-        Ok(App {
-            settings: Arc::new(settings),
-            client,
-            rules: Arc::new(rules),
-            feed,
-            stats: Arc::default(),
-            http,
-        })
+        let stats = Arc::<Stats>::default();
+        let handler = Validator::new(
+            client.clone(),
+            &settings.nats,
+            settings.topology(),
+            Arc::new(rules),
+            stats.clone(),
+        );
+        Ok(App { consumer: settings.validator.consumer, client, handler, feed, stats, http })
     }
 
     /// Where the probes listen (useful with port 0).
@@ -79,21 +82,19 @@ impl Service for App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         info!(
-            consumer = %self.settings.validator.consumer,
-            rules = self.rules.len(),
+            consumer = %self.consumer,
+            rules = self.handler.rules(),
             http = %self.http_addr(),
             "validator starting"
         );
         let drain = Drain::new();
         let http = serve(self.http, probes(self.feed.status()).router(), &drain);
-        let mut handler =
-            Validator::new(self.client.clone(), &self.settings, self.rules.clone(), self.stats);
         let signal = async {
             shutdown.await;
             info!("shutting down: finishing the message in hand");
             drain.start();
         };
-        let work = rebind_until_drained(&mut self.feed, &mut handler, &drain);
+        let work = rebind_until_drained(&mut self.feed, &mut self.handler, &drain);
         tokio::join!(signal, work);
         http.await.context("HTTP task")?.context("HTTP server")?;
         shelfsync_bus::close(&self.client).await;

@@ -11,7 +11,7 @@ use prost::Message;
 use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Publisher, Subjects};
 use shelfsync_feed::{Handler, HandlerError, Update};
 use shelfsync_proto::{Command, CommandBatch, msg_type, now_us};
-use shelfsync_settings::Settings;
+use shelfsync_settings::{NatsSettings, Topology};
 use tracing::{Instrument, debug, info_span};
 
 use crate::decide::{Decision, batch_id, decide};
@@ -53,19 +53,25 @@ pub struct Validator {
 impl Validator {
     pub fn new(
         client: async_nats::Client,
-        settings: &Settings,
+        nats: &NatsSettings,
+        topology: Topology,
         rules: Arc<Rules>,
         stats: Arc<Stats>,
     ) -> Self {
-        let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
+        let js = shelfsync_bus::jetstream(client.clone(), nats);
         Self {
             rules,
             client,
-            subjects: Subjects::new(&settings.nats.prefix),
-            partitions: settings.storage.partitions,
-            publisher: Publisher::new(js, settings.nats.max_inflight),
+            subjects: Subjects::new(&nats.prefix),
+            partitions: topology.partitions,
+            publisher: Publisher::new(js, nats.max_inflight),
             stats,
         }
+    }
+
+    /// How many rules judge each change.
+    pub fn rules(&self) -> usize {
+        self.rules.len()
     }
 
     /// The commands these updates call for, in update order.
@@ -157,7 +163,7 @@ impl Handler for Validator {
     }
 
     /// The validator keeps nothing per place.
-    async fn reset_place(&mut self, _brand_id: i64, _place_id: i64) -> Result<(), HandlerError> {
+    async fn reset_place(&mut self, _: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ mod subjects;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
-use shelfsync_settings::{NatsSettings, Settings};
+use shelfsync_settings::{NatsSettings, Topology};
 
 pub use batch::{CommandBatcher, batch_overhead};
 pub use publish::{Failure, PublishFailed, Publisher};
@@ -114,9 +114,8 @@ fn max_bytes(limit: u64) -> i64 {
 /// they drop their oldest messages (`discard: old`), as they do past their
 /// age, so a full log never stops storage; a consumer that far behind is
 /// repaired by the next keyframe.
-pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
-    let s = Subjects::new(&settings.nats.prefix);
-    let n = &settings.nats;
+pub fn stream_configs(n: &NatsSettings, topology: Topology) -> Vec<stream::Config> {
+    let s = Subjects::new(&n.prefix);
     let base = |name: String, subjects: Vec<String>| stream::Config {
         name,
         subjects,
@@ -136,7 +135,7 @@ pub fn stream_configs(settings: &Settings) -> Vec<stream::Config> {
             description: Some("shelfsync commands, one subject per partition".into()),
             metadata: [(
                 "shelfsync.partitions".to_string(),
-                settings.storage.partitions.to_string(),
+                topology.partitions.to_string(),
             )]
             .into(),
             // Storage reads the messages queued behind the one delivered
@@ -220,8 +219,12 @@ pub async fn pull_messages(
 /// run any number of times. The partition count is recorded in the command
 /// stream's metadata and may not change once set: changing it would move
 /// places between partitions while commands are queued.
-pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(), BusError> {
-    for config in stream_configs(settings) {
+pub async fn provision(
+    js: &jetstream::Context,
+    nats: &NatsSettings,
+    topology: Topology,
+) -> Result<(), BusError> {
+    for config in stream_configs(nats, topology) {
         let name = config.name.clone();
         let err = |detail: String| BusError::Provision { stream: name.clone(), detail };
         match js.get_stream(&name).await {
@@ -253,7 +256,7 @@ pub async fn provision(js: &jetstream::Context, settings: &Settings) -> Result<(
 pub async fn request_keyframe(
     client: &async_nats::Client,
     subjects: &Subjects,
-    place: Option<(i64, i64)>,
+    place: Option<shelfsync_proto::PlaceKey>,
     replicas: u32,
     timeout: Duration,
 ) -> Result<Vec<shelfsync_proto::KeyframeReply>, async_nats::Error> {
@@ -261,7 +264,7 @@ pub async fn request_keyframe(
     use prost::Message;
     let inbox = client.new_inbox();
     let mut sub = client.subscribe(inbox.clone()).await?;
-    let (brand_id, place_id) = place.unwrap_or((0, 0));
+    let (brand_id, place_id) = place.map_or((0, 0), |p| (p.brand_id, p.place_id));
     // Named here, so that every replica answering uses the same id.
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

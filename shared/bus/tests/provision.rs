@@ -43,7 +43,10 @@ fn every_stream_has_a_size_limit_and_a_discard_policy() {
     s.nats.changes_max_bytes = 2 << 20;
     s.nats.keyframes_max_bytes = 0;
     let by_name: std::collections::HashMap<String, (i64, DiscardPolicy)> =
-        stream_configs(&s).into_iter().map(|c| (c.name, (c.max_bytes, c.discard))).collect();
+        stream_configs(&s.nats, s.topology())
+            .into_iter()
+            .map(|c| (c.name, (c.max_bytes, c.discard)))
+            .collect();
     let subjects = Subjects::new("p");
     assert_eq!(by_name[&subjects.cmd_stream()], (1 << 20, DiscardPolicy::New));
     assert_eq!(by_name[&subjects.changes_stream()], (2 << 20, DiscardPolicy::Old));
@@ -52,7 +55,7 @@ fn every_stream_has_a_size_limit_and_a_discard_policy() {
     assert_eq!(by_name[&subjects.aggregates_stream()].1, DiscardPolicy::Old);
     assert_eq!(by_name[&subjects.rejects_stream()].1, DiscardPolicy::Old);
     // The command stream is never unlimited unless asked for.
-    let d = stream_configs(&Settings::default());
+    let d = stream_configs(&Settings::default().nats, Settings::default().topology());
     assert_eq!(d[0].max_bytes, 1 << 30);
 }
 
@@ -63,7 +66,7 @@ async fn a_full_command_stream_refuses_new_commands_and_keeps_the_queued_ones() 
     let js = connect(&server).await?;
     let mut s = settings(&unique_name());
     s.nats.cmd_max_bytes = 64 * 1024;
-    provision(&js, &s).await?;
+    provision(&js, &s.nats, s.topology()).await?;
     let subjects = Subjects::new(&s.nats.prefix);
 
     let (accepted, refused) =
@@ -84,7 +87,7 @@ async fn a_full_change_log_drops_its_oldest_messages() -> anyhow::Result<()> {
     let js = connect(&server).await?;
     let mut s = settings(&unique_name());
     s.nats.changes_max_bytes = 64 * 1024;
-    provision(&js, &s).await?;
+    provision(&js, &s.nats, s.topology()).await?;
     let subjects = Subjects::new(&s.nats.prefix);
 
     let subject = format!("{}.changes.7.42", s.nats.prefix);
@@ -103,14 +106,14 @@ async fn provisioning_again_applies_new_limits_to_existing_streams() -> anyhow::
     let js = connect(&server).await?;
     let mut s = settings(&unique_name());
     s.nats.cmd_max_bytes = 0;
-    provision(&js, &s).await?;
+    provision(&js, &s.nats, s.topology()).await?;
     let subjects = Subjects::new(&s.nats.prefix);
     let cmd = js.get_stream(subjects.cmd_stream()).await?.info().await?.config.clone();
     assert_eq!(cmd.max_bytes, -1);
 
     s.nats.cmd_max_bytes = 8 * 1024 * 1024;
     s.nats.rejects_max_bytes = 1024 * 1024;
-    provision(&js, &s).await?;
+    provision(&js, &s.nats, s.topology()).await?;
     let cmd = js.get_stream(subjects.cmd_stream()).await?.info().await?.config.clone();
     assert_eq!((cmd.max_bytes, cmd.discard), (8 * 1024 * 1024, DiscardPolicy::New));
     let rejects = js.get_stream(subjects.rejects_stream()).await?.info().await?.config.clone();

@@ -8,7 +8,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
-use shelfsync_proto::{KeyframeBatch, KeyframeMark};
+use shelfsync_proto::{KeyframeBatch, KeyframeMark, PlaceKey};
 
 use crate::FeedError;
 
@@ -42,7 +42,7 @@ impl KeyframeReader {
         &self,
         brand: Option<i64>,
         place: Option<i64>,
-    ) -> Result<Vec<(i64, i64)>, FeedError> {
+    ) -> Result<Vec<PlaceKey>, FeedError> {
         let stream = self.stream.clone();
         let filter = self.subjects.keyframes_filter(brand, place);
         let mut subjects = stream
@@ -55,7 +55,7 @@ impl KeyframeReader {
             let mut tokens = subject.rsplit('.');
             let (Some(p), Some(b)) = (tokens.next(), tokens.next()) else { continue };
             if let (Ok(b), Ok(p)) = (b.parse(), p.parse()) {
-                out.push((b, p));
+                out.push(PlaceKey::new(b, p));
             }
         }
         out.sort();

@@ -46,7 +46,8 @@ use shelfsync_settings::NatsSettings;
 use tracing::{Instrument, debug, info, warn};
 
 pub use keyframes::KeyframeReader;
-pub use state::{Check, FeedState, Place};
+pub use shelfsync_proto::PlaceKey;
+pub use state::{Check, FeedState};
 pub use update::{Update, UpdateKind, is_live, is_offered, is_visible, product_of, state_of};
 
 /// How often the consumer's lag is sampled.
@@ -86,8 +87,7 @@ pub trait Handler: Send {
     /// Forgets everything about a place (a keyframe of it follows).
     fn reset_place(
         &mut self,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
@@ -281,7 +281,7 @@ impl ChangeFeed {
         let mut places = reader.places(self.cfg.brand, self.cfg.place).await?;
         if places.is_empty() && self.cfg.request_keyframe_if_missing {
             info!(feed = %self.cfg.name, "no keyframe yet: asking storage for one");
-            let place = self.cfg.brand.zip(self.cfg.place);
+            let place = self.cfg.brand.zip(self.cfg.place).map(PlaceKey::from);
             shelfsync_bus::request_keyframe(
                 &self.client,
                 &self.subjects,
@@ -294,8 +294,8 @@ impl ChangeFeed {
             places = reader.places(self.cfg.brand, self.cfg.place).await?;
         }
         let mut start: Option<u64> = None;
-        for (b, p) in places {
-            let Some(latest) = reader.latest(b, p).await? else { continue };
+        for place in places {
+            let Some(latest) = reader.latest(place.brand_id, place.place_id).await? else { continue };
             let seq = latest.last.changes_seq;
             self.load_keyframe(&reader, &latest, handler)
                 .await
@@ -312,8 +312,8 @@ impl ChangeFeed {
         latest: &keyframes::LatestKeyframe,
         handler: &mut H,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let place = (latest.last.brand_id, latest.last.place_id);
-        handler.reset_place(place.0, place.1).await?;
+        let place = PlaceKey::new(latest.last.brand_id, latest.last.place_id);
+        handler.reset_place(place).await?;
         self.state.reset_place(place);
         let mut parts = reader.parts(latest);
         while let Some(part) = parts.next().await? {
@@ -421,7 +421,7 @@ impl ChangeFeed {
             self.status.keyframe_checks.fetch_add(1, Ordering::Relaxed);
             if let Check::Drift { ours, theirs } = self.state.check(place, mark) {
                 warn!(
-                    feed = %self.cfg.name, brand_id = place.0, place_id = place.1,
+                    feed = %self.cfg.name, brand_id = place.brand_id, place_id = place.place_id,
                     ours = ?ours, keyframe = ?theirs, keyframe_id = %mark.keyframe_id,
                     "place drifted from its keyframe: resyncing"
                 );
@@ -481,7 +481,7 @@ impl ChangeFeed {
 
     async fn resync<H: Handler>(
         &mut self,
-        place: Place,
+        place: PlaceKey,
         mark: &KeyframeMark,
         marker_seq: u64,
         handler: &mut H,
@@ -490,12 +490,12 @@ impl ChangeFeed {
         let reader = KeyframeReader::new(&self.js, self.subjects.clone())
             .await
             .map_err(|e| transient(&e))?;
-        let keyframe = reader.of_mark(place.0, place.1, mark).await.map_err(|e| transient(&e))?;
+        let keyframe = reader.of_mark(place.brand_id, place.place_id, mark).await.map_err(|e| transient(&e))?;
         let Some(keyframe) = keyframe else {
             // Replaced by a newer keyframe (its own marker comes later), or
             // never completed: the next keyframe repairs the place.
             warn!(
-                feed = %self.cfg.name, brand_id = place.0, place_id = place.1,
+                feed = %self.cfg.name, brand_id = place.brand_id, place_id = place.place_id,
                 keyframe_id = %mark.keyframe_id,
                 "keyframe of the marker not found complete; the place stays as it is"
             );
@@ -515,7 +515,7 @@ impl ChangeFeed {
     /// Applies the changes of a place stored in `[from, until)`, newer-only.
     async fn replay<H: Handler>(
         &mut self,
-        place: Place,
+        place: PlaceKey,
         from: u64,
         until: u64,
         handler: &mut H,
@@ -523,7 +523,7 @@ impl ChangeFeed {
         let transient = |e: &dyn std::fmt::Display| HandlerError::Transient(e.to_string());
         let stream =
             self.js.get_stream(self.subjects.changes_stream()).await.map_err(|e| transient(&e))?;
-        let subject = self.subjects.changes(place.0, place.1);
+        let subject = self.subjects.changes(place.brand_id, place.place_id);
         let mut seq = from.max(1);
         while seq < until {
             let msg = match stream
@@ -560,11 +560,11 @@ impl ChangeFeed {
 }
 
 /// `(brand, place)` from `<prefix>.changes.<brand>.<place>`.
-fn place_of_subject(subject: &str) -> Option<Place> {
+fn place_of_subject(subject: &str) -> Option<PlaceKey> {
     let mut t = subject.rsplit('.');
     let p = t.next()?.parse().ok()?;
     let b = t.next()?.parse().ok()?;
-    Some((b, p))
+    Some(PlaceKey::new(b, p))
 }
 
 impl From<FeedError> for HandlerError {

@@ -5,10 +5,7 @@
 use std::collections::HashMap;
 
 use shelfsync_bus::digest::Digest;
-use shelfsync_proto::KeyframeMark;
-
-/// A place: `(brand_id, place_id)`.
-pub type Place = (i64, i64);
+use shelfsync_proto::{KeyframeMark, PlaceKey as Place};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Known {
@@ -111,7 +108,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const P: Place = (7, 1);
+    const P: Place = Place::new(7, 1);
 
     fn mark(d: Digest, cutoff: i64) -> KeyframeMark {
         KeyframeMark {
@@ -158,7 +155,7 @@ mod tests {
         kf.add("a", 2);
         assert!(matches!(s.check(P, &mark(kf, 0)), Check::Drift { .. }));
         // An unknown place with records in the keyframe is drift too.
-        assert!(matches!(s.check((7, 2), &mark(kf, 0)), Check::Drift { .. }));
+        assert!(matches!(s.check(Place::new(7, 2), &mark(kf, 0)), Check::Drift { .. }));
     }
 
     proptest! {

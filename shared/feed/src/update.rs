@@ -2,7 +2,7 @@
 //! its `Product` and `RecordState`.
 
 use prost::Message;
-use shelfsync_proto::{Change, ChangeKind, Origin, Product, Record, RecordKey, RecordState};
+use shelfsync_proto::{Change, ChangeKind, Origin, PlaceKey, Product, Record, RecordKey, RecordState};
 
 /// Where an update comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,8 +51,8 @@ impl Update {
         state_of(&self.after)
     }
 
-    pub fn place(&self) -> (i64, i64) {
-        (self.key.brand_id, self.key.place_id)
+    pub fn place(&self) -> PlaceKey {
+        self.key.place()
     }
 }
 

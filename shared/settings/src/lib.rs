@@ -36,7 +36,7 @@ pub use push_tokens::{
 pub use recommender::RecommenderSettings;
 pub use redact::redact_url;
 pub use redis::RedisSettings;
-pub use storage::StorageSettings;
+pub use storage::{StorageSettings, Topology};
 pub use telemetry::{LogFormat, TelemetrySettings};
 pub use validator::{RuleKind, RuleSettings, ValidatorSettings};
 
@@ -79,6 +79,11 @@ impl Settings {
         self.aggregator.validate()?;
         self.recommender.validate()?;
         partners::validate(&self.partners)
+    }
+
+    /// What every service follows of storage's section.
+    pub fn topology(&self) -> Topology {
+        self.storage.topology()
     }
 
     /// The region of a place, from the aggregator's directory.

@@ -96,7 +96,28 @@ impl Default for StorageSettings {
     }
 }
 
+/// What the other services must agree on with storage about the record
+/// space: how many partitions it is cut into, how many storage replicas
+/// answer a keyframe request, and how long a deletion is remembered.
+/// Storage owns these settings; every other component is handed this
+/// instead of the whole `[storage]` section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    pub partitions: u32,
+    pub storage_replicas: u32,
+    pub tombstone_ttl: Duration,
+}
+
 impl StorageSettings {
+    /// The part of this section the other services follow.
+    pub fn topology(&self) -> Topology {
+        Topology {
+            partitions: self.partitions,
+            storage_replicas: self.replicas,
+            tombstone_ttl: self.tombstone_ttl,
+        }
+    }
+
     /// Partitions owned by this replica: `p % replicas == replica`.
     pub fn owned_partitions(&self) -> Vec<u32> {
         (0..self.partitions).filter(|p| p % self.replicas == self.replica).collect()

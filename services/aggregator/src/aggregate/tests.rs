@@ -73,8 +73,9 @@ fn record(o: &Offer, updated_at: i64) -> Record {
     }
 }
 
-fn version(place: PlaceKey, id: &str, o: &Offer, at: i64) -> Item {
-    item(&directory(), &RecordKey::new(place.0, place.1, id), &record(o, at))
+fn version(place: impl Into<PlaceKey>, id: &str, o: &Offer, at: i64) -> Item {
+    let place = place.into();
+    item(&directory(), &RecordKey::new(place.brand_id, place.place_id, id), &record(o, at))
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -179,7 +180,8 @@ impl Model {
         self.published_cards.get(&id).map_or_else(|| master_card(&id, 0, None), |(c, _)| c.clone())
     }
 
-    fn non_empty(&self, place: PlaceKey) -> Vec<String> {
+    fn non_empty(&self, place: impl Into<PlaceKey>) -> Vec<String> {
+        let place = place.into();
         self.published_categories
             .iter()
             .filter(|((p, _), (ne, _))| *p == place && *ne)
@@ -187,7 +189,7 @@ impl Model {
             .collect()
     }
 
-    fn card_events(&self) -> Vec<(Option<i64>, u32, Option<PlaceKey>)> {
+    fn card_events(&self) -> Vec<(Option<i64>, u32, Option<(i64, i64)>)> {
         self.events
             .iter()
             .filter_map(|e| match e {
@@ -307,7 +309,7 @@ fn moves_between_prices_categories_and_regions_leave_nothing_behind() {
     // A category move without `before`: the counted view knows the old one.
     m.run(&[version((7, 1), "rose", &Offer { category: Some("tulips"), ..Offer::default() }, 2)]);
     assert_eq!(m.non_empty((7, 1)), ["tulips"]);
-    assert_eq!(m.events.last(), Some(&Event::Flip((7, 1), "roses".into(), false)));
+    assert_eq!(m.events.last(), Some(&Event::Flip(PlaceKey::new(7, 1), "roses".into(), false)));
     // Two versions of one record in one batch: only the net effect counts.
     let before = m.events.len();
     m.run(&[
@@ -320,7 +322,7 @@ fn moves_between_prices_categories_and_regions_leave_nothing_behind() {
     let key = RecordKey::new(7, 1, "rose");
     m.run(&[item(&moved, &key, &record(&Offer::default(), 5))]);
     assert_eq!(m.card("rose").offers, 0);
-    assert_eq!(m.categories.get(&((7, 1), "tulips".into())).map(|s| s.len()), Some(1));
+    assert_eq!(m.categories.get(&(PlaceKey::new(7, 1), "tulips".into())).map(|s| s.len()), Some(1));
 }
 
 #[test]
@@ -356,7 +358,7 @@ fn message_ids_follow_version_and_content() {
     let id = retracted_id("rose");
     let change = |v, price| CardChange {
         id: id.clone(),
-        card: master_card(&id, 1, Some(&Cheapest { place: (7, 1), price, currency: None })),
+        card: master_card(&id, 1, Some(&Cheapest { place: PlaceKey::new(7, 1), price, currency: None })),
         version: v,
         at: 0,
     };
@@ -370,12 +372,19 @@ fn message_ids_follow_version_and_content() {
 proptest! {
     #[test]
     fn members_sort_like_places(a in any::<(i64, i64)>(), b in any::<(i64, i64)>()) {
+        let (a, b) = (PlaceKey::from(a), PlaceKey::from(b));
         prop_assert_eq!(member(a).cmp(&member(b)), a.cmp(&b));
         prop_assert_eq!(parse_member(&member(a)), Some(a));
     }
 }
 
-const PLACES: [PlaceKey; 5] = [(7, 1), (7, 2), (8, 1), (7, 3), (9, 9)];
+const PLACES: [PlaceKey; 5] = [
+    PlaceKey::new(7, 1),
+    PlaceKey::new(7, 2),
+    PlaceKey::new(8, 1),
+    PlaceKey::new(7, 3),
+    PlaceKey::new(9, 9),
+];
 const CATEGORIES: [&str; 3] = ["roses", "tulips", "lilies"];
 
 fn arb_offer() -> impl Strategy<Value = Offer> {

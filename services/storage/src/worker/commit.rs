@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
 use prost::Message;
-use shelfsync_proto::{CommandBatch, Rejection};
-use shelfsync_telemetry::names;
+use shelfsync_proto::CommandBatch;
 use tokio::sync::watch;
 use tracing::{Instrument, debug, error, warn};
 
@@ -71,7 +70,7 @@ impl Worker {
             .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), relay, shutdown)
             .instrument(span)
             .await;
-        metrics::histogram!(names::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
+        self.stats.message_took(started.elapsed());
         match result {
             Ok(handled) => {
                 failpoint::hit("after_publish");
@@ -81,7 +80,7 @@ impl Worker {
                 }
                 failpoint::hit("after_ack");
                 if matches!(handled, Handled::Skipped) {
-                    self.stats.add(&self.stats.batches_skipped, 1);
+                    self.stats.skipped_redelivery();
                 }
             }
             Err(e) => {
@@ -90,10 +89,7 @@ impl Worker {
                     partition = %self.partition, seq, delivered, retry_in = ?delay,
                     error = %e, "batch not applied; will retry"
                 );
-                self.stats.add(&self.stats.retries, 1);
-                if matches!(e, HandleError::Fenced) {
-                    self.stats.add(&self.stats.fenced, 1);
-                }
+                self.stats.retried(matches!(e, HandleError::Fenced));
                 let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
             }
         }
@@ -236,7 +232,7 @@ impl Worker {
             let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
             let n = split.skipped.len() as u64;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
-            self.stats.add(&self.stats.known_skipped, n);
+            self.stats.known_skipped(n);
             skipped.extend(split.skipped.iter().cloned());
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
@@ -268,14 +264,10 @@ impl Worker {
         self.wait_replicas().await?;
         self.note_changed(&loaded.slots);
         self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(p, _)| *p)));
-        let s = &self.stats;
-        s.add(&s.batches, todo.len() as u64);
-        s.add(
-            &s.batches_ahead,
-            todo.iter().filter(|((seq, _), _)| *seq != parts[0].0).count() as u64,
-        );
+        let ahead = todo.iter().filter(|((seq, _), _)| *seq != parts[0].0).count();
+        self.stats.committed(todo.len() as u64, ahead as u64);
         for (batch, n_changes, o) in outcomes {
-            self.count_applied(batch, n_changes, &o);
+            self.stats.applied(batch, n_changes, &o);
         }
         Ok(Handled::Applied)
     }
@@ -299,24 +291,6 @@ impl Worker {
         result
     }
 
-    /// Counts what one applied command message did (`n_changes`: its
-    /// changes, which the caller may have moved out of `o` already).
-    pub(crate) fn count_applied(
-        &self,
-        batch: &CommandBatch,
-        n_changes: u64,
-        o: &crate::apply::Outcome,
-    ) {
-        let s = &self.stats;
-        s.add(&s.commands, batch.commands.len() as u64);
-        s.add(&s.applied, o.applied);
-        s.add(&s.changes, n_changes);
-        s.add(&s.unchanged, o.unchanged);
-        s.add(&s.rejected, o.rejections.len() as u64);
-        record_applied(batch, o.applied, o.unchanged, n_changes);
-        record_rejections(&o.rejections);
-    }
-
     /// With `redis.wait_replicas`, waits until that many Redis replicas have
     /// every write so far (`WAIT`), however many timeouts it takes: a commit
     /// is not published nor acked before.
@@ -331,7 +305,7 @@ impl Worker {
             if have >= want {
                 return Ok(());
             }
-            metrics::counter!(names::REDIS_WAIT_RETRIES).increment(1);
+            self.stats.redis_wait_retried();
             if !logged {
                 warn!(
                     partition = %self.partition, want, have,
@@ -395,31 +369,3 @@ fn oldest_published<'a>(
         .unwrap_or(0)
 }
 
-/// Metrics of one committed command message.
-fn record_applied(
-    batch: &shelfsync_proto::CommandBatch,
-    applied: u64,
-    unchanged: u64,
-    changes: u64,
-) {
-    metrics::counter!(names::COMMANDS_APPLIED).increment(applied);
-    metrics::counter!(names::COMMANDS_UNCHANGED).increment(unchanged);
-    metrics::counter!(names::CHANGES_EMITTED).increment(changes);
-    let freshness = metrics::histogram!(names::FRESHNESS_SECONDS, "stage" => "storage");
-    for c in &batch.commands {
-        if let Some(s) =
-            c.origin.as_ref().and_then(|o| shelfsync_telemetry::seconds_since_us(o.published_at))
-        {
-            freshness.record(s);
-        }
-    }
-}
-
-fn record_rejections(rejections: &[Rejection]) {
-    for r in rejections {
-        if r.reason == reason::CONFLICT {
-            metrics::counter!(names::CAS_CONFLICTS).increment(1);
-        }
-        metrics::counter!(names::REJECTS, "reason" => r.reason.clone()).increment(1);
-    }
-}

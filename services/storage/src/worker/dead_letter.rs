@@ -3,7 +3,6 @@
 //! partition moves past it: recorded once, it never blocks the partition.
 
 use shelfsync_proto::Rejection;
-use shelfsync_telemetry::names;
 use tokio::sync::watch;
 use tracing::error;
 
@@ -51,8 +50,7 @@ impl Worker {
         let writes = Writes { slots: None, touched: &[], outbox: &outbox, sweeps: &[] };
         match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
-                self.stats.add(&self.stats.dead_lettered, 1);
-                metrics::counter!(names::REJECTS, "reason" => why.to_string()).increment(1);
+                self.stats.dead_lettered(why);
                 self.relay_until_done(relay, shutdown).await;
                 Ok(Handled::Applied)
             }

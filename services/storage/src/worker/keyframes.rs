@@ -94,7 +94,7 @@ impl Worker {
             .freeze(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id)
             .instrument(span.clone())
             .await;
-        self.stats.observe_keyframe_place(started.elapsed());
+        self.stats.keyframe_place_held(started.elapsed());
         let frozen = match frozen {
             Ok(f) => f,
             Err(e) => {
@@ -183,7 +183,7 @@ impl Worker {
                     .await;
             }
         }
-        metrics::histogram!(names::KEYFRAME_SECONDS).record(started.elapsed().as_secs_f64());
+        self.stats.keyframe_took(started.elapsed());
         if s.last_of_job {
             s.progress.worker_done(None).await;
         }
@@ -313,7 +313,7 @@ impl Worker {
                 warn!(%subject, error = %e, "purging old keyframes failed");
             }
         }
-        self.stats.add(&self.stats.keyframe_records, digest.count);
+        self.stats.keyframe_records(digest.count);
         tracing::debug!(
             brand_id = f.brand_id,
             place_id = f.place_id,
@@ -377,9 +377,7 @@ impl Worker {
     async fn give_way(&self, records: usize) {
         let yielded = self.keyframe_limits.pace(records).await;
         if !yielded.is_zero() {
-            self.stats.add(&self.stats.keyframe_yield_us, yielded.as_micros() as u64);
-            metrics::histogram!(shelfsync_telemetry::names::KEYFRAME_YIELD_SECONDS)
-                .record(yielded.as_secs_f64());
+            self.stats.keyframe_yielded(yielded);
         }
     }
 

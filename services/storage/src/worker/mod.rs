@@ -53,14 +53,14 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_settings::Settings;
-use shelfsync_telemetry::names;
 use tokio::sync::{mpsc, watch};
 use tracing::{Instrument, error, info, warn};
 
 use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::Known;
 use crate::relay::Relay;
-use crate::stats::{Readiness, Stats};
+use crate::metrics::Stats;
+use crate::readiness::Readiness;
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod ahead;
@@ -244,8 +244,7 @@ impl Worker {
                     if refused_logged {
                         info!(partition = %self.partition, stream = %identity, "partition re-based; resuming");
                     }
-                    metrics::gauge!(names::PARTITION_REFUSED, "partition" => self.partition.to_string())
-                        .set(0.0);
+                    self.stats.partition_resumed(self.partition);
                     self.ready.unrefuse(self.partition.0);
                     *self.stream_identity.lock().unwrap_or_else(|e| e.into_inner()) = identity;
                     // Sequences may count in a new stream now: nothing is
@@ -256,8 +255,8 @@ impl Worker {
                     return Some((stream, messages));
                 }
                 Ok(Err((found, recorded))) => {
+                    self.stats.partition_refused(self.partition, !refused_logged);
                     if !refused_logged {
-                        self.stats.add(&self.stats.refused, 1);
                         error!(
                             partition = %self.partition, recorded = %recorded, found = %found,
                             "the command stream was replaced (its sequences restarted): this \
@@ -266,8 +265,6 @@ impl Worker {
                         );
                         refused_logged = true;
                     }
-                    metrics::gauge!(names::PARTITION_REFUSED, "partition" => self.partition.to_string())
-                        .set(1.0);
                     self.ready.refuse(self.partition.0, found);
                     tokio::select! {
                         _ = stopped(shutdown) => return None,

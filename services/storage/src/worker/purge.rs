@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Origin};
-use shelfsync_telemetry::names;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -37,7 +36,7 @@ impl Worker {
             Ok(Some(0)) => {}
             Ok(Some(n)) => {
                 debug!(partition = %self.partition, purged = n, "tombstones purged");
-                self.stats.add(&self.stats.purged, n as u64);
+                self.stats.tombstones_purged(n as u64);
             }
             Ok(None) => warn!(partition = %self.partition, "tombstone purge fenced; skipped"),
             Err(e) => warn!(partition = %self.partition, error = %e, "tombstone purge failed"),
@@ -110,9 +109,7 @@ impl Worker {
         let purged = outcome.changes.len() as u64;
         if purged > 0 {
             info!(partition = %self.partition, purged, "absent records purged (absent_ttl)");
-            self.stats.add(&self.stats.changes, purged);
-            metrics::counter!(names::ABSENT_PURGED).increment(purged);
-            metrics::counter!(names::CHANGES_EMITTED).increment(purged);
+            self.stats.absent_purged(purged);
         }
         self.relay_until_done(relay, shutdown).await;
         Ok(())

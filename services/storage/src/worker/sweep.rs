@@ -156,7 +156,7 @@ impl Worker {
             self.commit_step(&mut fence, &step, batch.sweeps.is_empty(), &writes, relay, shutdown)
                 .await?;
             self.note_changed(&loaded.slots);
-            self.count_applied(&commands, outcome.changes.len() as u64, &outcome);
+            self.stats.applied(&commands, outcome.changes.len() as u64, &outcome);
         }
         step.commands_done = true;
         while step.sweep < batch.sweeps.len() {
@@ -175,7 +175,7 @@ impl Worker {
                         decision => {
                             let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown: &mut *shutdown };
                             self.skip_sweep(seq, s, &mut step, decision, census, last, ctx).await?;
-                            self.stats.add(&self.stats.sweeps, 1);
+                            self.stats.sweep_done();
                             continue;
                         }
                     }
@@ -218,9 +218,7 @@ impl Worker {
                         self.commit_step(&mut fence, &step, false, &writes, relay, shutdown)
                             .await?;
                         self.note_changed(&slots);
-                        self.stats.add(&self.stats.changes, changes.len() as u64);
-                        metrics::counter!(shelfsync_telemetry::names::CHANGES_EMITTED)
-                            .increment(changes.len() as u64);
+                        self.stats.sweep_changes(changes.len() as u64);
                     }
                 }
                 if next == 0 {
@@ -234,15 +232,15 @@ impl Worker {
                 partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
                 live = census.live, marked_absent = step.marked, "sweep applied"
             );
-            metrics::counter!(shelfsync_telemetry::names::SWEEPS_APPLIED).increment(1);
+            self.stats.sweep_applied();
             step.sweep += 1;
             step.applying = None;
             step.marked = 0;
             let writes = Writes { slots: None, touched: &[], outbox: &[], sweeps: std::slice::from_ref(&outcome) };
             self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
-            self.stats.add(&self.stats.sweeps, 1);
+            self.stats.sweep_done();
         }
-        self.stats.add(&self.stats.batches, 1);
+        self.stats.sweep_message_done();
         Ok(Handled::Applied)
     }
 
@@ -269,7 +267,7 @@ impl Worker {
                 import_id = %s.import_id, why, live = census.live, would_mark_absent = census.candidates,
                 "sweep held, nothing marked absent (release it with `shelfsync sweep --import`)"
             );
-            metrics::counter!(shelfsync_telemetry::names::SWEEPS_HELD, "reason" => why).increment(1);
+            self.stats.sweep_held(why);
             rejections.push(held_notice(s, &outcome));
         } else {
             warn!(
