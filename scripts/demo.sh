@@ -138,6 +138,12 @@ PARTNERS=(flowers flowers-prices bouquets bouquets-prices)
 for partner in "${PARTNERS[@]}"; do
   python3 -c 'import secrets; print(secrets.token_urlsafe(32))' >"$DEMO/$partner.tokens"
 done
+# One partner's table in the settings file: name, brand, kind, the fields it owns (quoted, comma
+# separated), and its tokens file from above.
+partner() {
+  printf '\n[[partners]]\nname = "%s"\nbrand_id = %s\nkind = "%s"\n' "$1" "$2" "$3"
+  printf 'fields = [%s]\npush_tokens_file = "%s"\n' "$4" "$DEMO/$1.tokens"
+}
 CONFIG=$DEMO/shelfsync.toml
 cat >"$CONFIG" <<EOF
 [nats]
@@ -174,33 +180,11 @@ brand_id = 8
 place_id = 3
 region = "spb"
 
-[[partners]]
-name = "flowers"
-brand_id = 7
-kind = "full"
-fields = ["title", "category", "price", "old_price", "currency", "stock", "images", "description"]
-push_tokens_file = "$DEMO/flowers.tokens"
-
-[[partners]]
-name = "flowers-prices"
-brand_id = 7
-kind = "delta"
-fields = ["price", "old_price"]
-push_tokens_file = "$DEMO/flowers-prices.tokens"
-
-[[partners]]
-name = "bouquets"
-brand_id = 8
-kind = "full"
-fields = ["title", "category", "price", "old_price", "currency", "stock"]
-push_tokens_file = "$DEMO/bouquets.tokens"
-
-[[partners]]
-name = "bouquets-prices"
-brand_id = 8
-kind = "delta"
-fields = ["price", "old_price"]
-push_tokens_file = "$DEMO/bouquets-prices.tokens"
+$(partner flowers 7 full \
+  '"title", "category", "price", "old_price", "currency", "stock", "images", "description"')
+$(partner flowers-prices 7 delta '"price", "old_price"')
+$(partner bouquets 8 full '"title", "category", "price", "old_price", "currency", "stock"')
+$(partner bouquets-prices 8 delta '"price", "old_price"')
 EOF
 export SHELFSYNC_CONFIG=$CONFIG
 # Settings come from the file only, whatever this shell exports.

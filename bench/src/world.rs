@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use async_nats::jetstream;
-use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
+use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::{NatsServer, RedisServer};
 
 use crate::measure::{self, RedisInfo};
@@ -154,10 +154,6 @@ pub fn partner(prices_only: bool) -> PartnerSettings {
         brand_id: BRAND,
         kind,
         fields: fields.iter().map(|f| f.to_string()).collect(),
-        source: None,
-        poll_interval: None,
-        format: FeedFormat::Auto,
-        clear_missing: true,
         ..Default::default()
     }
 }

@@ -17,7 +17,7 @@ use shelfsync_proto::{
 };
 use shelfsync_service::Service as _;
 use shelfsync_settings::Settings;
-use shelfsync_testkit::TestEnv;
+use shelfsync_testkit::{TestEnv, stdout_of_success};
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
@@ -57,14 +57,7 @@ async fn run_env(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> anyhow:
 
 /// Runs and requires success; returns stdout.
 async fn ok(env: &TestEnv, args: &[&str]) -> anyhow::Result<String> {
-    let out = run(env, args).await?;
-    anyhow::ensure!(
-        out.status.success(),
-        "shelfsync {args:?} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
+    stdout_of_success(args, run(env, args).await?)
 }
 
 async fn jetstream(env: &TestEnv) -> anyhow::Result<async_nats::jetstream::Context> {
@@ -137,11 +130,7 @@ async fn wait(child: &mut Child, deadline: Instant) -> anyhow::Result<Option<Exi
 
 /// The settings `shelfsync()` hands the CLI, for a storage run by the test.
 fn settings(env: &TestEnv) -> Settings {
-    let mut s = Settings::default();
-    s.nats.url = env.nats.url();
-    s.nats.prefix = env.prefix.clone();
-    s.redis.url = env.redis.url();
-    s.redis.namespace = env.namespace.clone();
+    let mut s = env.settings();
     s.storage.partitions = 4;
     s.storage.retry_delay = Duration::from_millis(100);
     s.storage.ack_wait = Duration::from_secs(5);

@@ -12,7 +12,9 @@
 //!   child processes, signals;
 //! - [`http`]: HTTP requests to a service and its metrics;
 //! - [`otlp`]: an in-process OTLP receiver over TLS;
-//! - [`tls`]: test certificates.
+//! - [`tls`]: test certificates;
+//! - [`stack`]: servers, settings, a harness and storage started together,
+//!   with an importer for the tests that go through ingest.
 //!
 //! Everything is re-exported here: a test says `use shelfsync_tests::*`.
 #![forbid(unsafe_code)]
@@ -28,6 +30,7 @@ pub mod mirror;
 pub mod model;
 pub mod otlp;
 pub mod processes;
+pub mod stack;
 pub mod tls;
 
 pub use harness::{Harness, count_by_key, decode_product, patch, product, publish_until_acked};
@@ -40,6 +43,7 @@ pub use processes::{
 };
 pub use shelfsync_proto::now_us;
 pub use shelfsync_testkit::{eventually, settings_env};
+pub use stack::{Importing, Stack, storage_settings};
 pub use tls::{test_certificates, test_client_certificate};
 
 /// How long a test waits for the pipeline to settle.
@@ -47,11 +51,7 @@ pub const SETTLE: Duration = Duration::from_secs(30);
 
 /// Settings for one test: its own servers, prefix and namespace.
 pub fn settings_for(env: &TestEnv) -> Settings {
-    let mut s = Settings::default();
-    s.nats.url = env.nats.url();
-    s.nats.prefix = env.prefix.clone();
-    s.redis.url = env.redis.url();
-    s.redis.namespace = env.namespace.clone();
+    let mut s = env.settings();
     s.storage.partitions = 4;
     s.storage.retry_delay = Duration::from_millis(100);
     s.storage.ack_wait = Duration::from_secs(5);

@@ -71,6 +71,22 @@ impl FeedMirror {
         }
     }
 
+    /// Once `feed`, this mirror's, caught up (30 s at the most): the mirror
+    /// equals storage in `places` of `brand`, and it saw each of `model`'s
+    /// transitions once.
+    pub async fn assert_mirrors(
+        &self,
+        feed: &RunningFeed,
+        h: &Harness,
+        model: &SerialModel,
+        brand: i64,
+        places: &[i64],
+    ) {
+        feed.wait_caught_up(h, Duration::from_secs(30)).await;
+        self.assert_equals_storage(h, brand, places).await;
+        self.assert_each_transition_once(model);
+    }
+
     /// Every version was handed over once, and per record the versions are
     /// the serial model's transitions (for a feed that saw every change).
     pub fn assert_each_transition_once(&self, model: &SerialModel) {
@@ -113,7 +129,11 @@ pub struct RunningFeed {
 
 impl RunningFeed {
     /// Runs `feed`, whose durable consumer is `name`, with `handler`.
-    pub fn start(name: &str, mut feed: shelfsync_feed::ChangeFeed, handler: FeedMirror) -> Self {
+    pub fn start(
+        name: &str,
+        mut feed: shelfsync_feed::ChangeFeed,
+        handler: impl shelfsync_feed::Handler + 'static,
+    ) -> Self {
         let status = feed.status();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {

@@ -133,6 +133,16 @@ pub struct Churn {
 }
 
 impl Churn {
+    /// [`Churn::batches`], and the serial model with all of them applied.
+    pub fn modelled(&self, partitions: u32) -> (Vec<CommandBatch>, SerialModel) {
+        let batches = self.batches(partitions);
+        let mut model = SerialModel::new(partitions);
+        for b in &batches {
+            model.apply(b);
+        }
+        (batches, model)
+    }
+
     /// Command messages in publish order, each for one partition.
     pub fn batches(&self, partitions: u32) -> Vec<CommandBatch> {
         let mut out = Vec::new();

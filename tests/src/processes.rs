@@ -11,6 +11,7 @@ use shelfsync_settings::Settings;
 use tokio::sync::oneshot;
 
 use crate::{SETTLE, settings_env};
+use shelfsync_testkit::stdout_of_success;
 
 /// A service `App` running in a task of this test until stopped.
 /// Dropping it without [`Running::stop`] starts the same graceful stop,
@@ -167,14 +168,7 @@ pub async fn cli(settings: &Settings, args: &[&str]) -> anyhow::Result<std::proc
 
 /// [`cli`], requiring success; returns stdout.
 pub async fn cli_ok(settings: &Settings, args: &[&str]) -> anyhow::Result<String> {
-    let out = cli(settings, args).await?;
-    anyhow::ensure!(
-        out.status.success(),
-        "shelfsync {args:?} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
+    stdout_of_success(args, cli(settings, args).await?)
 }
 
 /// The pid of the running process whose command line contains `needle`

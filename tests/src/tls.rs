@@ -1,5 +1,7 @@
 //! Certificates for the TLS tests, made on the spot.
 
+use std::path::Path;
+
 /// Runs the `openssl` CLI; a failure fails the test with its stderr.
 fn openssl(args: &[&str]) {
     let ok = std::process::Command::new("openssl").args(args).output().expect("openssl");
@@ -26,36 +28,8 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
         "-out",
         &p("ca.pem"),
     ]);
-    openssl(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        &p("key.pem"),
-        "-out",
-        &p("req.csr"),
-    ]);
-    std::fs::write(p("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("ext");
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        &p("req.csr"),
-        "-CA",
-        &p("ca.pem"),
-        "-CAkey",
-        &p("ca-key.pem"),
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        &p("ext.cnf"),
-        "-out",
-        &p("cert.pem"),
-    ]);
+    let ext = ("ext.cnf", "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+    signed_by_the_ca(dir.path(), "/CN=127.0.0.1", ["key.pem", "req.csr", "cert.pem"], ext);
     let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
     (dir, ca, cert, key)
 }
@@ -63,37 +37,42 @@ pub fn test_certificates() -> (tempfile::TempDir, String, String, String) {
 /// A client certificate (`CN=shelfsync test client`, for TLS client
 /// authentication) signed by the CA that [`test_certificates`] made in
 /// `dir`: `(client.pem, client-key.pem)`.
-pub fn test_client_certificate(dir: &std::path::Path) -> (String, String) {
+pub fn test_client_certificate(dir: &Path) -> (String, String) {
     let p = |f: &str| dir.join(f).display().to_string();
+    let ext = ("client.cnf", "extendedKeyUsage=clientAuth\n");
+    let files = ["client-key.pem", "client.csr", "client.pem"];
+    signed_by_the_ca(dir, "/CN=shelfsync test client", files, ext);
+    (p("client.pem"), p("client-key.pem"))
+}
+
+/// A new key for `subject` and a certificate for it signed by the CA in
+/// `dir` (`ca.pem`, `ca-key.pem`): `files` are the key, the signing request
+/// and the certificate, `extensions` the extensions file and what it holds.
+fn signed_by_the_ca(dir: &Path, subject: &str, files: [&str; 3], extensions: (&str, &str)) {
+    let p = |f: &str| dir.join(f).display().to_string();
+    let [key, request, cert] = files.map(p);
     openssl(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=shelfsync test client",
-        "-keyout",
-        &p("client-key.pem"),
-        "-out",
-        &p("client.csr"),
+        "req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", &key, "-out",
+        &request,
     ]);
-    std::fs::write(p("client.cnf"), "extendedKeyUsage=clientAuth\n").expect("ext");
+    let (ext_file, ext) = extensions;
+    std::fs::write(p(ext_file), ext).expect("ext");
+    let (ca, ca_key, ext_file) = (p("ca.pem"), p("ca-key.pem"), p(ext_file));
     openssl(&[
         "x509",
         "-req",
         "-in",
-        &p("client.csr"),
+        &request,
         "-CA",
-        &p("ca.pem"),
+        &ca,
         "-CAkey",
-        &p("ca-key.pem"),
+        &ca_key,
         "-CAcreateserial",
         "-days",
         "2",
         "-extfile",
-        &p("client.cnf"),
+        &ext_file,
         "-out",
-        &p("client.pem"),
+        &cert,
     ]);
-    (p("client.pem"), p("client-key.pem"))
 }

@@ -18,14 +18,32 @@ use shelfsync_tests::*;
 const WAIT: Duration = Duration::from_secs(30);
 const NORTH: &str = "north";
 
-fn aggregator_settings(env: &TestEnv) -> Settings {
-    let mut s = settings_for(env);
-    s.storage.keyframe_schedule = String::new();
+/// The aggregator's part of the settings: places 7/1, 7/2, 7/3 and 8/1 in
+/// the north, no default region, a port of its own.
+fn aggregator_settings(s: &mut Settings) {
     s.aggregator.http_listen = "127.0.0.1:0".into();
     let north = |brand_id, place_id| PlaceRegion { brand_id, place_id, region: NORTH.into() };
     s.aggregator.places = vec![north(7, 1), north(7, 2), north(7, 3), north(8, 1)];
     s.aggregator.default_region = None;
-    s
+}
+
+/// A [`Stack`] with [`aggregator_settings`], and the aggregator's App on it.
+async fn start_aggregating() -> (Stack, RunningAggregator) {
+    let stack = Stack::start_with(aggregator_settings).await;
+    let agg = RunningAggregator::start(&stack.settings).await;
+    (stack, agg)
+}
+
+/// Servers, a harness and an aggregator in this test (no storage: the test
+/// applies updates itself).
+async fn connected_aggregator() -> (TestEnv, Settings, Harness, Aggregator) {
+    let env = TestEnv::start().await.expect("servers");
+    let mut settings = storage_settings(&env);
+    aggregator_settings(&mut settings);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let config = Config::from(&settings);
+    let agg = Aggregator::connect(&config, h.client.clone()).await.expect("aggregator");
+    (env, settings, h, agg)
 }
 
 /// A card as the HTTP API shows it: `(min_price, offers, cheapest place)`.
@@ -162,11 +180,7 @@ fn delete(brand: i64, place: i64, id: &str) -> Command {
 
 #[tokio::test]
 async fn the_minimum_moves_to_the_next_offer_and_the_last_one_retracts_the_card() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = RunningAggregator::start(&settings).await;
+    let (Stack { h, storage: _storage, env: _env, .. }, agg) = start_aggregating().await;
 
     // Place 3 comes from a full import (generation 1000), so a later import
     // without the rose sweeps it.
@@ -217,11 +231,7 @@ async fn the_minimum_moves_to_the_next_offer_and_the_last_one_retracts_the_card(
 
 #[tokio::test]
 async fn nothing_is_published_when_no_aggregate_changes() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = RunningAggregator::start(&settings).await;
+    let (Stack { h, storage: _storage, env: _env, .. }, agg) = start_aggregating().await;
     h.send(vec![
         patch(7, 1, "rose", &offer(100, 5, "roses"), 0),
         patch(7, 2, "rose", &offer(200, 5, "roses"), 0),
@@ -267,10 +277,8 @@ async fn nothing_is_published_when_no_aggregate_changes() {
 
 #[tokio::test]
 async fn a_restart_from_an_old_keyframe_publishes_nothing_and_ends_in_the_same_state() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, settings, env: _env } =
+        Stack::start_with(aggregator_settings).await;
     h.send(vec![
         patch(7, 1, "rose", &offer(100, 5, "roses"), 0),
         patch(7, 2, "rose", &offer(200, 5, "roses"), 0),
@@ -354,10 +362,7 @@ fn version(
 
 #[tokio::test]
 async fn a_batch_applied_twice_publishes_once() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let mut agg = Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("aggregator");
+    let (_env, settings, h, mut agg) = connected_aggregator().await;
     let card = |agg: &Aggregator| {
         let agg = agg.clone();
         async move {
@@ -433,11 +438,7 @@ async fn a_batch_applied_twice_publishes_once() {
 
 #[tokio::test]
 async fn the_category_cache_flips_between_empty_and_non_empty() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let agg = RunningAggregator::start(&settings).await;
+    let (Stack { h, storage: _storage, env: _env, .. }, agg) = start_aggregating().await;
     h.send(vec![
         patch(7, 1, "rose", &offer(100, 5, "roses"), 0),
         patch(7, 1, "tulip", &offer(50, 5, "tulips"), 0),
@@ -490,10 +491,7 @@ async fn the_category_cache_flips_between_empty_and_non_empty() {
 
 #[tokio::test]
 async fn a_failed_publish_is_retried_and_a_repeated_one_is_deduplicated() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = aggregator_settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let mut agg = Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("aggregator");
+    let (_env, settings, h, mut agg) = connected_aggregator().await;
     let id = CardId { region: NORTH.into(), product_id: "peony".into() };
     let mut redis = h.store.conn();
 

@@ -27,11 +27,7 @@ fn price_patch(place: i64, id: &str, price: i64) -> Command {
 
 #[tokio::test]
 async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage, settings, env: _env } = Stack::start().await;
     let place = 1;
     let p = h.partition(BRAND, place);
     // Ten messages applied: the partition's applied sequence is 10.
@@ -77,11 +73,10 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
     let nats = NatsServer::start_with_config("max_payload: 65536").await.expect("nats");
     let redis = RedisServer::start().await.expect("redis");
     let env = TestEnv::with_servers(nats, redis);
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.storage.max_record_bytes = 16 * 1024;
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::on(env, |s| {
+        s.storage.max_record_bytes = 16 * 1024;
+    })
+    .await;
     let place = 1;
     let p = h.partition(BRAND, place);
     // The largest command message the server takes (the client checks the
@@ -122,13 +117,11 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
 
 #[tokio::test]
 async fn a_record_absent_for_longer_than_absent_ttl_is_deleted_with_a_deleted_change() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.storage.absent_ttl = Duration::from_secs(2);
-    settings.storage.purge_interval = Duration::from_millis(200);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start_with(|s| {
+        s.storage.absent_ttl = Duration::from_secs(2);
+        s.storage.purge_interval = Duration::from_millis(200);
+    })
+    .await;
     let place = 1;
     // Imported at G1 with a and b, then at G2 with a only: b is swept.
     let full = |generation: i64, ids: &[&str]| {
@@ -162,12 +155,10 @@ async fn a_record_absent_for_longer_than_absent_ttl_is_deleted_with_a_deleted_ch
 
 #[tokio::test]
 async fn a_purge_on_a_stale_position_writes_nothing() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.storage.tombstone_ttl = Duration::from_secs(3600);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage, env: _env, .. } = Stack::start_with(|s| {
+        s.storage.tombstone_ttl = Duration::from_secs(3600);
+    })
+    .await;
     let place = 1;
     let p = h.partition(BRAND, place);
     h.send(vec![price_patch(place, "gone", 100)]).await.expect("send");
@@ -197,12 +188,11 @@ async fn a_commit_is_neither_published_nor_acked_before_a_redis_replica_has_it()
         .await
         .expect("replica");
     let env = TestEnv::with_servers(nats, primary);
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.redis.wait_replicas = 1;
-    settings.redis.wait_timeout = Duration::from_millis(200);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::on(env, |s| {
+        s.redis.wait_replicas = 1;
+        s.redis.wait_timeout = Duration::from_millis(200);
+    })
+    .await;
     let place = 1;
     h.send(vec![price_patch(place, "a", 100)]).await.expect("send");
     h.wait_settled().await;

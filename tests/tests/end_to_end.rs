@@ -23,8 +23,7 @@ fn feed(price: i64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_price_is_hidden_everywhere_until_it_is_fixed() {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     settings.validator.http_listen = "127.0.0.1:0".into();
     settings.aggregator.http_listen = "127.0.0.1:0".into();
     settings.recommender.http_listen = "127.0.0.1:0".into();
@@ -39,10 +38,6 @@ async fn a_bad_price_is_hidden_everywhere_until_it_is_fixed() {
         fields: ["title", "category", "price", "old_price", "currency", "stock"]
             .map(String::from)
             .to_vec(),
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
         ..Default::default()
     }];
     let h = Harness::connect(settings.clone()).await.expect("harness");

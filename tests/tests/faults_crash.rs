@@ -25,8 +25,7 @@ const FAILPOINTS: [&str; 4] =
 #[tokio::test]
 async fn storage_aborted_at_every_step_boundary_of_a_churning_import_matches_the_serial_model() {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     // Two messages per commit (one read ahead): enough commits for four
     // aborts, each of them in a commit of two.
     settings.storage.read_ahead = 1;
@@ -35,11 +34,7 @@ async fn storage_aborted_at_every_step_boundary_of_a_churning_import_matches_the
     let h = Harness::connect(settings.clone()).await.expect("harness");
 
     let churn = Churn { brand: BRAND, places: PLACES.to_vec(), items: 60, chunk: 25 };
-    let batches = churn.batches(settings.storage.partitions);
-    let mut model = SerialModel::new(settings.storage.partitions);
-    for b in &batches {
-        model.apply(b);
-    }
+    let (batches, model) = churn.modelled(settings.storage.partitions);
     assert!(model.rejections.is_empty(), "the workload is valid: {:?}", model.rejections);
 
     let mirror = FeedMirror::default();
@@ -62,9 +57,7 @@ async fn storage_aborted_at_every_step_boundary_of_a_churning_import_matches_the
     h.wait_settled().await;
 
     h.assert_serial(&model, BRAND, &PLACES).await;
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    mirror.assert_equals_storage(&h, BRAND, &PLACES).await;
-    mirror.assert_each_transition_once(&model);
+    mirror.assert_mirrors(&feed, &h, &model, BRAND, &PLACES).await;
     let status = feed.stop().await.status();
     assert_eq!(
         shelfsync_feed::FeedStatus::get(&status.duplicates),

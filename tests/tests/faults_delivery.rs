@@ -26,18 +26,6 @@ use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
 
-async fn start(
-    tune: impl FnOnce(&mut shelfsync_settings::Settings),
-) -> (TestEnv, Harness, InProcessStorage) {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    tune(&mut settings);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings).await.expect("storage");
-    (env, h, storage)
-}
-
 /// One command message for one place: a PATCH of `price` on `ids`.
 fn prices(
     h: &Harness,
@@ -78,7 +66,7 @@ fn nats_pid(nats: &NatsServer) -> u32 {
 
 #[tokio::test]
 async fn a_publish_whose_ack_is_lost_is_retried_and_stored_once() {
-    let (env, h, storage) = start(|_| {}).await;
+    let Stack { h, storage, env, .. } = Stack::start().await;
     let batch = prices(&h, 1, 0..10, 100);
     let subject = h.subjects.cmd(Partition(batch.partition));
     let message = || {
@@ -111,7 +99,8 @@ async fn a_publish_whose_ack_is_lost_is_retried_and_stored_once() {
 #[tokio::test]
 async fn replays_past_the_dedup_window_change_nothing_for_storage_or_consumers() {
     let window = Duration::from_secs(3);
-    let (_env, h, storage) = start(|s| s.nats.duplicate_window = window).await;
+    let Stack { h, storage, env: _env, .. } =
+        Stack::start_with(|s| s.nats.duplicate_window = window).await;
     let mirror = FeedMirror::default();
     let feed = RunningFeed::tail(&h, "replay-mirror", mirror.clone());
     let first = prices(&h, 1, 0..10, 100);
@@ -178,7 +167,7 @@ async fn redelivered_out_of_order(
     name: &str,
 ) -> (TestEnv, Harness, InProcessStorage, FeedMirror, RunningFeed) {
     // Two change messages: storage must not commit the two commands as one.
-    let (env, h, storage) = start(|s| s.storage.read_ahead = 0).await;
+    let Stack { h, storage, env, .. } = Stack::start_with(|s| s.storage.read_ahead = 0).await;
     h.publish_batches("a", &[prices(&h, 1, 0..10, 100), prices(&h, 1, [1], 200)])
         .await
         .expect("publish");
@@ -240,7 +229,7 @@ async fn live_load(h: &Harness, places: &[i64], items: usize, rounds: usize) {
 
 #[tokio::test]
 async fn a_consumer_rebuilt_from_a_keyframe_taken_under_load_has_storage_digests() {
-    let (_env, h, _storage) = start(|_| {}).await;
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     let places = [1, 2, 3, 4];
     let base: Vec<CommandBatch> = places.iter().map(|&p| prices(&h, p, 0..1000, 100)).collect();
     h.publish_batches("base", &base).await.expect("publish");
@@ -316,7 +305,8 @@ const STALLED_MESSAGES: usize = 40;
 /// publishing; the test reads the lag while it hangs, then lets it go.
 async fn stall_consumer(name: &str, during_stall: impl AsyncFnOnce(&Harness, u64)) {
     // One change message per command message: no commands committed together.
-    let (_env, h, _storage) = start(|s| s.storage.read_ahead = 0).await;
+    let Stack { h, storage: _storage, env: _env, .. } =
+        Stack::start_with(|s| s.storage.read_ahead = 0).await;
     let mut model = SerialModel::new(h.settings.storage.partitions);
     let warmup = prices(&h, 1, 0..20, 100);
     model.apply(&warmup);
@@ -346,9 +336,7 @@ async fn stall_consumer(name: &str, during_stall: impl AsyncFnOnce(&Harness, u64
     );
 
     drop(stall);
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    mirror.assert_equals_storage(&h, BRAND, &[1, 2]).await;
-    mirror.assert_each_transition_once(&model);
+    mirror.assert_mirrors(&feed, &h, &model, BRAND, &[1, 2]).await;
 }
 
 #[tokio::test]

@@ -12,11 +12,9 @@ use std::collections::BTreeMap;
 use async_nats::jetstream::message::PublishMessage;
 use prost::Message;
 use shelfsync_bus::{Partition, TYPE_HEADER};
-use shelfsync_ingest::{ImportError, ImportConfig, Importer, Source};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, msg_type};
-use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_settings::{ImportKind, PartnerSettings};
 use shelfsync_storage::Stats;
-use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
@@ -38,64 +36,28 @@ fn partner(name: &str) -> PartnerSettings {
         ]
         .map(String::from)
         .to_vec(),
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
         ..Default::default()
     }
 }
 
-struct Ingest {
-    _env: TestEnv,
-    h: Harness,
-    storage: InProcessStorage,
-    importer: Importer,
-    settings: Settings,
-    dir: tempfile::TempDir,
+async fn start() -> Importing {
+    Importing::start(vec![partner("nested"), partner("lines")]).await
 }
 
-async fn start() -> Ingest {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.partners = vec![partner("nested"), partner("lines")];
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
-    let dir = tempfile::tempdir().expect("tmp");
-    Ingest { _env: env, h, storage, importer, settings, dir }
+/// Last sequences of the CMD and REJECTS streams: what was ever published.
+async fn published(h: &Harness) -> (u64, u64) {
+    let mut last = [0; 2];
+    let names = [h.subjects.cmd_stream(), h.subjects.rejects_stream()];
+    for (last, name) in last.iter_mut().zip(names) {
+        let mut stream = h.js.get_stream(&name).await.expect("stream");
+        *last = stream.info().await.expect("stream info").state.last_sequence;
+    }
+    (last[0], last[1])
 }
 
-impl Ingest {
-    async fn import(
-        &self,
-        partner: &str,
-        body: &[u8],
-    ) -> Result<shelfsync_ingest::ImportReport, ImportError> {
-        let path = self.dir.path().join(format!("{partner}-{}.json", now_us()));
-        std::fs::write(&path, body).expect("write feed");
-        let p = self.settings.partner(partner).expect("partner").clone();
-        let result = self.importer.import(&p, Source::File(path), None).await;
-        self.h.wait_settled().await;
-        result
-    }
-
-    /// Last sequences of the CMD and REJECTS streams: what was ever published.
-    async fn published(&self) -> (u64, u64) {
-        let mut last = [0; 2];
-        let names = [self.h.subjects.cmd_stream(), self.h.subjects.rejects_stream()];
-        for (last, name) in last.iter_mut().zip(names) {
-            let mut stream = self.h.js.get_stream(&name).await.expect("stream");
-            *last = stream.info().await.expect("stream info").state.last_sequence;
-        }
-        (last[0], last[1])
-    }
-
-    async fn product(&self, place: i64, id: &str) -> Option<Product> {
-        let r = self.h.get(BRAND, place, id).await.expect("get")?;
-        Some(decode_product(&r.data))
-    }
+async fn stored(h: &Harness, place: i64, id: &str) -> Option<Product> {
+    let r = h.get(BRAND, place, id).await.expect("get")?;
+    Some(decode_product(&r.data))
 }
 
 fn nest(depth: usize) -> String {
@@ -144,13 +106,13 @@ async fn a_bad_feed_corpus_is_rejected_item_by_item_and_the_good_items_land() {
     .collect();
     assert_eq!(r.rejected, expected, "rejections by reason");
     assert_eq!(r.items, 5, "good-1, deep-extra, negative-stock, null-title, emoji");
-    let good = t.product(1, "good-1").await.expect("good-1 landed");
+    let good = stored(&t.h, 1, "good-1").await.expect("good-1 landed");
     assert_eq!((good.title.as_deref(), good.price), (Some("Roses"), Some(100)));
-    let neg = t.product(1, "negative-stock").await.expect("business rules are the validator's");
+    let neg = stored(&t.h, 1, "negative-stock").await.expect("business rules are the validator's");
     assert_eq!((neg.price, neg.stock), (Some(0), Some(-3)));
-    assert!(t.product(1, "deep-extra").await.is_some(), "deep unknown fields are skipped");
-    assert_eq!(t.product(1, "null-title").await.expect("landed").title, None);
-    assert_eq!(t.product(1, "emoji").await.expect("landed").title.as_deref(), Some("Розы 🌹 é"));
+    assert!(stored(&t.h, 1, "deep-extra").await.is_some(), "deep unknown fields are skipped");
+    assert_eq!(stored(&t.h, 1, "null-title").await.expect("landed").title, None);
+    assert_eq!(stored(&t.h, 1, "emoji").await.expect("landed").title.as_deref(), Some("Розы 🌹 é"));
     for id in ["str-price", "huge", "deep-title", "big", "bool-stock"] {
         assert!(t.h.get(BRAND, 1, id).await.expect("get").is_none(), "{id} must not land");
     }
@@ -188,7 +150,7 @@ async fn a_bad_feed_corpus_is_rejected_item_by_item_and_the_good_items_land() {
     ] {
         assert_eq!(r.rejected.get(reason), Some(&n), "{reason} in {:?}", r.rejected);
     }
-    assert!(t.product(2, "n-good-2").await.is_some());
+    assert!(stored(&t.h, 2, "n-good-2").await.is_some());
 
     // Every rejection is on the REJECTS stream, with its reason and detail.
     let rejections = t.h.rejections().await.expect("rejections");
@@ -278,7 +240,7 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
         ),
     ];
     for (what, body, needle) in cases {
-        let before = t.published().await;
+        let before = published(&t.h).await;
         let err = t.import("nested", &body).await.expect_err(what);
         let text = err.to_string();
         assert!(err.is_bad_feed(), "{what}: {err:?}");
@@ -287,7 +249,7 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
         if what != "truncated" {
             // A truncated feed's items before the cut are valid PATCHes and
             // go out; nothing else here has a good item before its fault.
-            assert_eq!(t.published().await, before, "{what}: nothing published");
+            assert_eq!(published(&t.h).await, before, "{what}: nothing published");
         }
     }
     // Nothing was swept by a failed import, nothing changed.
@@ -310,7 +272,7 @@ async fn feeds_that_cannot_be_read_fail_clearly_sweep_nothing_and_block_nothing(
     );
     let r = t.import("nested", deep_meta.as_bytes()).await.expect("deep junk under an unknown key");
     assert_eq!((r.items, r.sweeps, r.sweeps_applied, r.marked_absent), (9, 1, 1, 1));
-    assert_eq!(t.product(1, "sku-0").await.expect("record").title.as_deref(), Some("new"));
+    assert_eq!(stored(&t.h, 1, "sku-0").await.expect("record").title.as_deref(), Some("new"));
     assert!(
         t.h.get(BRAND, 1, "sku-9").await.expect("get").expect("record").absent,
         "a good full import sweeps"
@@ -341,11 +303,7 @@ fn cmd(place: i64, id: &str, kind: CommandKind, data: Vec<u8>) -> Command {
 
 #[tokio::test]
 async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flows_on() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage, settings, env: _env } = Stack::start().await;
     let p = h.partition(BRAND, 1);
     let other = place_elsewhere(&h, p);
     let good = |id: &str, price: i64| patch(BRAND, 1, id, &product("Roses", price, 1), 0);

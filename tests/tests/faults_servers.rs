@@ -34,13 +34,7 @@ async fn env_with_aof() -> TestEnv {
 }
 
 fn workload(partitions: u32) -> (Vec<CommandBatch>, SerialModel) {
-    let churn = Churn { brand: BRAND, places: PLACES.to_vec(), items: 80, chunk: 20 };
-    let batches = churn.batches(partitions);
-    let mut model = SerialModel::new(partitions);
-    for b in &batches {
-        model.apply(b);
-    }
-    (batches, model)
+    Churn { brand: BRAND, places: PLACES.to_vec(), items: 80, chunk: 20 }.modelled(partitions)
 }
 
 /// Command messages committed so far (over every partition): the sum of
@@ -52,8 +46,7 @@ fn committed(stats: &Stats) -> u64 {
 #[tokio::test]
 async fn nats_killed_and_restarted_mid_import_loses_and_duplicates_nothing() {
     let mut env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     // Many small commits (two messages each), so that the kill lands
     // mid-import; committed 32 at a time, the import can be over in a few
     // change messages before "mid-import" is ever seen.
@@ -102,18 +95,15 @@ async fn nats_killed_and_restarted_mid_import_loses_and_duplicates_nothing() {
         "storage rode through the outage without a restart"
     );
     h.assert_serial(&model, BRAND, &PLACES).await;
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    mirror.assert_equals_storage(&h, BRAND, &PLACES).await;
     // A redelivery whose ack died with the server is dropped by the kit, so
     // the handler still sees each transition once.
-    mirror.assert_each_transition_once(&model);
+    mirror.assert_mirrors(&feed, &h, &model, BRAND, &PLACES).await;
 }
 
 #[tokio::test]
 async fn redis_with_aof_killed_and_restarted_mid_import_loses_no_acknowledged_command() {
     let mut env = env_with_aof().await;
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let settings = storage_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let (batches, model) = workload(settings.storage.partitions);
 
@@ -136,16 +126,13 @@ async fn redis_with_aof_killed_and_restarted_mid_import_loses_no_acknowledged_co
     // restarted Redis holds it: the end state is the serial one.
     h.assert_serial(&model, BRAND, &PLACES).await;
     assert_eq!(Stats::get(&storage.stats.dead_lettered), 0, "nothing given up on");
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    mirror.assert_equals_storage(&h, BRAND, &PLACES).await;
-    mirror.assert_each_transition_once(&model);
+    mirror.assert_mirrors(&feed, &h, &model, BRAND, &PLACES).await;
 }
 
 #[tokio::test]
 async fn redis_away_for_seconds_is_retried_with_backoff_and_recovered_alone() {
     let mut env = env_with_aof().await;
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let settings = storage_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let (batches, model) = workload(settings.storage.partitions);
     let (first, second) = batches.split_at(batches.len() / 2);
@@ -215,7 +202,5 @@ async fn redis_away_for_seconds_is_retried_with_backoff_and_recovered_alone() {
         .expect("consumer info");
     assert_eq!(info.config.max_ack_pending, 1, "one message in flight per partition");
 
-    feed.wait_caught_up(&h, Duration::from_secs(30)).await;
-    mirror.assert_equals_storage(&h, BRAND, &PLACES).await;
-    mirror.assert_each_transition_once(&model);
+    mirror.assert_mirrors(&feed, &h, &model, BRAND, &PLACES).await;
 }

@@ -35,19 +35,14 @@ struct Run {
 /// tailing the changes, a one second dedup window.
 async fn queued_import(mirror_name: &str) -> Run {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     settings.nats.duplicate_window = Duration::from_secs(1);
     // Two messages per commit: enough commits for four aborts.
     settings.storage.read_ahead = 1;
     settings.storage.ack_wait = Duration::from_secs(2);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let churn = Churn { brand: BRAND, places: PLACES.to_vec(), items: 60, chunk: 25 };
-    let batches = churn.batches(settings.storage.partitions);
-    let mut model = SerialModel::new(settings.storage.partitions);
-    for b in &batches {
-        model.apply(b);
-    }
+    let (batches, model) = churn.modelled(settings.storage.partitions);
     let mirror = FeedMirror::default();
     let feed = RunningFeed::tail(&h, mirror_name, mirror.clone());
     h.publish_batches("churn", &batches).await.expect("publish");
@@ -62,9 +57,7 @@ impl Run {
         self.h.assert_serial(&self.model, BRAND, &PLACES).await;
         let on_stream = self.h.changes().await.expect("changes").len();
         assert_eq!(on_stream, self.model.changes, "every change on the stream once, none twice");
-        self.feed.wait_caught_up(&self.h, Duration::from_secs(30)).await;
-        self.mirror.assert_equals_storage(&self.h, BRAND, &PLACES).await;
-        self.mirror.assert_each_transition_once(&self.model);
+        self.mirror.assert_mirrors(&self.feed, &self.h, &self.model, BRAND, &PLACES).await;
         let status = self.feed.stop().await.status();
         assert_eq!(shelfsync_feed::FeedStatus::get(&status.duplicates), 0, "no copy reached the kit");
     }

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
 use shelfsync_proto::Record;
-use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
@@ -37,27 +36,19 @@ impl Handler for Replica {
     }
 }
 
-type Running =
-    (Arc<FeedStatus>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<ChangeFeed>);
-
-fn start_feed(h: &Harness, name: &str, replica: Replica) -> Running {
-    run_feed(ChangeFeed::new(h.client.clone(), &h.settings.nats, FeedConfig::new(name)), replica)
+fn start_feed(h: &Harness, name: &str, replica: Replica) -> RunningFeed {
+    let feed = ChangeFeed::new(h.client.clone(), &h.settings.nats, FeedConfig::new(name));
+    RunningFeed::start(name, feed, replica)
 }
 
-/// Runs `feed` until the sender fires; the task hands the feed back.
-fn run_feed(mut feed: ChangeFeed, replica: Replica) -> Running {
-    let status = feed.status();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let mut handler = replica;
-        feed.run(&mut handler, async move {
-            let _ = rx.await;
-        })
-        .await
-        .expect("feed runs");
-        feed
-    });
-    (status, tx, task)
+/// [`start_feed`], once the feed has bootstrapped.
+async fn start_bootstrapped_feed(h: &Harness, name: &str, replica: Replica) -> RunningFeed {
+    let running = start_feed(h, name, replica);
+    eventually(Duration::from_secs(30), "bootstrapped", || async {
+        running.status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    running
 }
 
 /// Every record of storage in the places, compared with the replica.
@@ -101,11 +92,7 @@ async fn write(h: &Harness, places: &[i64], items: usize, price_base: i64) {
 
 #[tokio::test]
 async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     let places = [1, 2, 3, 4];
     write(&h, &places, 2500, 100).await; // 10k records
     h.wait_settled().await;
@@ -121,7 +108,8 @@ async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage()
         })
     };
     let replica = Replica::default();
-    let (status, stop, task) = start_feed(&h, "test-bootstrap", replica.clone());
+    let running = start_feed(&h, "test-bootstrap", replica.clone());
+    let status = running.status.clone();
     writer.await.expect("writer");
     h.wait_settled().await;
     eventually(Duration::from_secs(30), "the consumer caught up", || async {
@@ -140,31 +128,21 @@ async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage()
     assert_replica_equals_storage(&h, &replica, &places).await;
     // The keyframe the consumer asked for was used, and nothing needed repair.
     assert_eq!(FeedStatus::get(&status.drift_repairs), 0);
-    let _ = stop.send(());
-    task.await.expect("feed stops cleanly");
+    running.stop().await;
 }
 
 #[tokio::test]
 async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     write(&h, &[1, 2], 300, 100).await;
     h.wait_settled().await;
 
     let replica = Replica::default();
-    let (status, stop, task) = start_feed(&h, "test-drift", replica.clone());
-    eventually(Duration::from_secs(30), "bootstrapped", || async {
-        status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
-    })
-    .await;
+    let running = start_bootstrapped_feed(&h, "test-drift", replica.clone()).await;
 
     // Lose messages before the consumer sees them: pause the feed, write,
     // and delete the new change messages from the stream.
-    let _ = stop.send(());
-    let feed = task.await.expect("stopped");
+    let feed = running.stop().await;
     let changes_last = |h: &Harness| {
         let js = h.js.clone();
         let name = h.subjects.changes_stream();
@@ -181,7 +159,8 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
     let fresh = h.get(BRAND, 1, "sku-0").await.unwrap().unwrap().updated_at;
 
     // Resumed, the feed never sees the lost changes: the replica is stale.
-    let (status, stop, task) = run_feed(feed, replica.clone());
+    let running = RunningFeed::start("test-drift", feed, replica.clone());
+    let status = running.status.clone();
     let stale =
         || replica.records.lock().unwrap().get(&(BRAND, 1, "sku-0".into())).map(|r| r.updated_at);
     assert_ne!(stale(), Some(fresh), "the replica missed the change");
@@ -203,8 +182,7 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
     .await;
     assert_eq!(FeedStatus::get(&status.drift_repairs), 1, "place 2 did not drift");
     assert_replica_equals_storage(&h, &replica, &[1, 2]).await;
-    let _ = stop.send(());
-    task.await.unwrap();
+    running.stop().await;
 }
 
 /// A keyframe goes out while writes go on, so its marker comes later in the
@@ -212,25 +190,18 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
 /// keyframe and applies again what changed in between.
 #[tokio::test]
 async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    // 300 records a second: place 1's parts take about a second to go out.
-    settings.storage.keyframe_rate = 300;
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start_with(|s| {
+        // 300 records a second: place 1's parts take about a second to go out.
+        s.storage.keyframe_rate = 300;
+    })
+    .await;
     write(&h, &[1], 300, 100).await;
     h.wait_settled().await;
 
     let replica = Replica::default();
-    let (status, stop, task) = start_feed(&h, "test-drift-live", replica.clone());
-    eventually(Duration::from_secs(30), "bootstrapped", || async {
-        status.bootstrapped.load(std::sync::atomic::Ordering::SeqCst)
-    })
-    .await;
+    let running = start_bootstrapped_feed(&h, "test-drift-live", replica.clone()).await;
     // Make the replica drift: lose a change while the feed is paused.
-    let _ = stop.send(());
-    let feed = task.await.expect("stopped");
+    let feed = running.stop().await;
     let stream = h.js.get_stream(h.subjects.changes_stream()).await.unwrap();
     let before = stream.clone().info().await.unwrap().state.last_sequence;
     write(&h, &[1], 1, 5000).await;
@@ -239,7 +210,8 @@ async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
     for seq in before + 1..=last {
         assert!(stream.delete_message(seq).await.unwrap(), "deleted #{seq}");
     }
-    let (status, stop, task) = run_feed(feed, replica.clone());
+    let running = RunningFeed::start("test-drift-live", feed, replica.clone());
+    let status = running.status.clone();
 
     // New records, one every 20 ms, until the keyframe is out: those
     // written between its freeze and its marker are in neither the keyframe
@@ -278,6 +250,5 @@ async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
     })
     .await;
     assert_replica_equals_storage(&h, &replica, &[1]).await;
-    let _ = stop.send(());
-    task.await.unwrap();
+    running.stop().await;
 }

@@ -30,10 +30,6 @@ fn flowers() -> PartnerSettings {
         brand_id: BRAND,
         kind: ImportKind::Full,
         fields,
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
         // These tests are about imports not interleaving; the second feed
         // replaces most of the first, which the sweep guard would hold.
         sweep_max_fraction: 1.0,
@@ -53,8 +49,7 @@ struct Lab {
 /// early) and the given lease ttl.
 async fn lab(ttl: Duration) -> Lab {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     settings.ingest.batch_size = 10;
     settings.ingest.import_lease_ttl = ttl;
     settings.partners = vec![flowers()];

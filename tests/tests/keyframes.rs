@@ -18,7 +18,6 @@ use shelfsync_proto::{
     ChangeBatch, Command, CommandKind, KeyframeBatch, KeyframeMark, KeyframeReply, KeyframeRequest,
     Product, Record, RecordKey,
 };
-use shelfsync_settings::Settings;
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
@@ -26,18 +25,6 @@ const BRAND: i64 = 7;
 /// A keyframe of a few thousand records takes well under a second; this is
 /// only the point where a test gives up.
 const KEYFRAME_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Servers, harness and an in-process storage whose schedule is off unless
-/// `tune` turns it on.
-async fn start(tune: impl FnOnce(&mut Settings)) -> (TestEnv, Harness, InProcessStorage) {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    tune(&mut settings);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings).await.expect("storage");
-    (env, h, storage)
-}
 
 fn sku(i: usize) -> String {
     format!("sku-{i}")
@@ -193,7 +180,7 @@ async fn request_keyframe(h: &Harness, id: &str, brand: i64, place: i64) -> Keyf
 
 #[tokio::test]
 async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marker() {
-    let (_env, h, _storage) = start(|_| {}).await;
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     let places = [1, 2, 3];
     write_places(&h, &places, 1500).await;
     h.wait_settled().await;
@@ -248,7 +235,7 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
 
 #[tokio::test]
 async fn one_place_keyframe_publishes_only_that_place() {
-    let (_env, h, _storage) = start(|_| {}).await;
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     write_places(&h, &[1, 2], 40).await;
     h.wait_settled().await;
 
@@ -283,7 +270,8 @@ async fn one_place_keyframe_publishes_only_that_place() {
 #[tokio::test]
 async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
     // 300 records a second: each place's parts take a second to go out.
-    let (_env, h, _storage) = start(|s| s.storage.keyframe_rate = 300).await;
+    let Stack { h, storage: _storage, env: _env, .. } =
+        Stack::start_with(|s| s.storage.keyframe_rate = 300).await;
     let places = [1, 2, 3];
     const ITEMS: usize = 300;
     write_places(&h, &places, ITEMS).await;
@@ -414,7 +402,8 @@ async fn keyframe_during_live_writes_matches_a_replay_up_to_its_marker() {
 
 #[tokio::test]
 async fn the_schedule_fires_without_a_request() {
-    let (_env, h, _storage) = start(|s| s.storage.keyframe_schedule = "*/2 * * * * *".into()).await;
+    let Stack { h, storage: _storage, env: _env, .. } =
+        Stack::start_with(|s| s.storage.keyframe_schedule = "*/2 * * * * *".into()).await;
     write_places(&h, &[4], 3).await;
     h.wait_settled().await;
     eventually(
@@ -444,7 +433,8 @@ async fn the_schedule_fires_without_a_request() {
 
 #[tokio::test]
 async fn only_the_newest_keyframes_of_a_place_are_kept() {
-    let (_env, h, _storage) = start(|s| s.storage.keyframes_kept = 2).await;
+    let Stack { h, storage: _storage, env: _env, .. } =
+        Stack::start_with(|s| s.storage.keyframes_kept = 2).await;
     // Two parts per keyframe, so a purge must keep whole keyframes.
     write_places(&h, &[1], 1200).await;
     write_places(&h, &[2], 10).await;
@@ -472,7 +462,7 @@ async fn only_the_newest_keyframes_of_a_place_are_kept() {
 
 #[tokio::test]
 async fn expired_tombstones_are_left_out_and_fresh_ones_carried() {
-    let (_env, h, _storage) = start(|s| {
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start_with(|s| {
         s.storage.tombstone_ttl = Duration::from_secs(1);
         // The purge must not get to the expired tombstone before the keyframe.
         s.storage.purge_interval = Duration::from_secs(3600);
@@ -516,7 +506,7 @@ async fn expired_tombstones_are_left_out_and_fresh_ones_carried() {
 async fn records_purged_while_their_place_is_frozen_stay_in_its_keyframe() {
     // 300 records a second: the 3 000 records go out in three parts, and
     // the last two are read after the purge, ≈2 s after the deletes.
-    let (_env, h, _storage) = start(|s| {
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start_with(|s| {
         s.storage.keyframe_rate = 300;
         s.storage.tombstone_ttl = Duration::from_secs(2);
         s.storage.purge_interval = Duration::from_millis(200);
@@ -560,7 +550,7 @@ async fn records_purged_while_their_place_is_frozen_stay_in_its_keyframe() {
 /// time) while live commands published a minute ago keep arriving; returns
 /// the reply and the time the keyframe gave way to them, microseconds.
 async fn keyframe_behind_late_commands(yield_after: Duration) -> (KeyframeReply, u64) {
-    let (_env, h, storage) = start(|s| {
+    let Stack { h, storage, env: _env, .. } = Stack::start_with(|s| {
         s.storage.keyframe_rate = 1000;
         s.storage.keyframe_yield_after = yield_after;
     })
@@ -613,8 +603,7 @@ async fn a_keyframe_told_not_to_give_way_does_not() {
 /// replica number, the same servers and namespace.
 async fn start_two_replicas() -> (TestEnv, Harness, InProcessStorage, InProcessStorage) {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     settings.storage.replicas = 2;
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let mut one = settings.clone();
@@ -692,7 +681,7 @@ async fn one_request_names_one_keyframe_across_replicas() {
 /// must still leave a well-formed keyframe of the current state.
 #[tokio::test]
 async fn a_reused_keyframe_id_does_not_mix_two_snapshots() {
-    let (_env, h, _storage) = start(|_| {}).await;
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
     write_places(&h, &[1], 1000).await;
     h.wait_settled().await;
     request_keyframe(&h, "kf-again", BRAND, 1).await;

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use shelfsync_proto::Product;
-use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
 fn offer(price: i64, old_price: Option<i64>, stock: i64) -> Product {
@@ -19,11 +18,7 @@ fn offer(price: i64, old_price: Option<i64>, stock: i64) -> Product {
 
 #[tokio::test]
 async fn picks_follow_the_change_stream() {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, settings, env: _env } = Stack::start().await;
     h.send(vec![
         patch(7, 1, "deep", &offer(30, Some(100), 2), 0),
         patch(7, 1, "shallow", &offer(90, Some(100), 2), 0),

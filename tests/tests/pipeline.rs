@@ -2,77 +2,27 @@
 //! change stream — on real servers, through the importer users run.
 
 
-use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_proto::{ChangeKind, product_field};
-use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
-use shelfsync_testkit::TestEnv;
+use shelfsync_settings::{ImportKind, PartnerSettings};
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
 
 fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
-    PartnerSettings {
-        name: name.into(),
-        brand_id: BRAND,
-        kind,
-        fields: fields.iter().map(|f| f.to_string()).collect(),
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
-        ..Default::default()
-    }
+    let fields = fields.iter().map(|f| f.to_string()).collect();
+    PartnerSettings { name: name.into(), brand_id: BRAND, kind, fields, ..Default::default() }
 }
 
 const ALL: &[&str] =
     &["title", "category", "price", "old_price", "currency", "stock", "images", "description"];
 
-struct Pipeline {
-    _env: TestEnv,
-    h: Harness,
-    _storage: InProcessStorage,
-    importer: Importer,
-    settings: Settings,
-    dir: tempfile::TempDir,
-}
-
-async fn start() -> Pipeline {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.partners = vec![
+async fn start() -> Importing {
+    Importing::start(vec![
         partner("full", ImportKind::Full, ALL),
         partner("prices", ImportKind::Delta, &["price", "old_price"]),
         partner("stock", ImportKind::Delta, &["stock"]),
-    ];
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
-    Pipeline {
-        _env: env,
-        h,
-        _storage: storage,
-        importer,
-        settings,
-        dir: tempfile::tempdir().expect("tmp"),
-    }
-}
-
-impl Pipeline {
-    /// Writes `body` to a file and imports it as `partner`; waits until
-    /// storage applied everything.
-    async fn import(
-        &self,
-        partner: &str,
-        body: &str,
-    ) -> Result<shelfsync_ingest::ImportReport, String> {
-        let path = self.dir.path().join(format!("{partner}-{}.json", now_us()));
-        std::fs::write(&path, body).expect("write feed");
-        let p = self.settings.partner(partner).expect("partner").clone();
-        let r = self.importer.import(&p, Source::File(path), None).await.map_err(|e| e.to_string());
-        self.h.wait_settled().await;
-        r
-    }
+    ])
+    .await
 }
 
 /// A nested dump of `places` × `items`; `price(place, i)` decides prices.
@@ -179,10 +129,11 @@ async fn a_full_import_sweeps_what_vanished_and_a_failed_one_sweeps_nothing() {
     let changes = p.h.changes().await.unwrap().len();
     // A feed that is not JSON, and a truncated one: errors, and no sweep.
     let err = p.import("full", "<html>503 Service Unavailable</html>").await.expect_err("not JSON");
+    let err = err.to_string();
     assert!(err.contains("not JSON"), "{err}");
     let truncated = dump(&[1], 2, |_, _| 100);
     let err = p.import("full", &truncated[..truncated.len() - 10]).await.expect_err("truncated");
-    assert!(!err.is_empty());
+    assert!(!err.to_string().is_empty());
     assert!(!p.h.get(BRAND, 1, "sku-4").await.unwrap().unwrap().absent, "a failed import swept");
     assert_eq!(p.h.changes().await.unwrap().len(), changes, "a failed import changed nothing");
     // The vanished items come back with the next good import.

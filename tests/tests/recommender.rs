@@ -301,8 +301,7 @@ fn data(f: impl FnOnce(&mut Product)) -> Product {
 #[tokio::test]
 async fn recommender_answers_match_a_brute_force_ranking_of_storage() {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     settings.recommender.http_listen = "127.0.0.1:0".into();
     settings.recommender.max_top_n = MAX_TOP;
     let h = Harness::connect(settings.clone()).await.expect("harness");

@@ -84,6 +84,19 @@ async fn client_of(nats: &NatsServer, user: &str) -> (async_nats::Client, Arc<Mu
     (client, errors)
 }
 
+/// Servers whose NATS has the users of [`authorization`] under a fresh
+/// prefix, and the settings on them before any user is picked.
+async fn authorized_servers() -> (TestEnv, Settings) {
+    let prefix = unique_name();
+    let conf = authorization(&prefix);
+    let (nats, redis) =
+        tokio::try_join!(NatsServer::start_with_config(&conf), RedisServer::start())
+            .expect("servers");
+    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
+    let base = storage_settings(&env);
+    (env, base)
+}
+
 async fn violation(errors: &Arc<Mutex<Vec<String>>>, what: &str, subject: &str) {
     let needle = format!("permissions violation for {what} to \"{}\"", subject.to_lowercase());
     eventually(Duration::from_secs(5), &format!("the server to refuse: {needle}"), || async {
@@ -94,14 +107,7 @@ async fn violation(errors: &Arc<Mutex<Vec<String>>>, what: &str, subject: &str) 
 
 #[tokio::test]
 async fn consumer_credentials_cannot_publish_commands_or_read_other_services_subjects() {
-    let prefix = unique_name();
-    let conf = authorization(&prefix);
-    let (nats, redis) =
-        tokio::try_join!(NatsServer::start_with_config(&conf), RedisServer::start())
-            .expect("servers");
-    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
-    let mut base = settings_for(&env);
-    base.storage.keyframe_schedule = String::new();
+    let (env, mut base) = authorized_servers().await;
     // Two records a second: a change can land while a keyframe goes out.
     base.storage.keyframe_rate = 2;
     base.nats.request_timeout = Duration::from_secs(2);
@@ -272,19 +278,23 @@ async fn redis_with_acl(namespace: &str) -> RedisServer {
     redis
 }
 
+/// NATS, and Redis from [`redis_with_acl`] for a fresh prefix.
+async fn servers_with_redis_acl() -> TestEnv {
+    let prefix = unique_name();
+    let (nats, redis) =
+        tokio::try_join!(NatsServer::start(), async { Ok(redis_with_acl(&prefix).await) })
+            .expect("servers");
+    TestEnv { nats, redis, namespace: prefix.clone(), prefix }
+}
+
 fn redis_url(redis: &RedisServer, user: &str, pw: &str) -> String {
     format!("redis://{user}:{pw}@127.0.0.1:{}", redis.port())
 }
 
 #[tokio::test]
 async fn storage_works_as_a_redis_acl_user_confined_to_its_namespace() {
-    let prefix = unique_name();
-    let (nats, redis) =
-        tokio::try_join!(NatsServer::start(), async { Ok(redis_with_acl(&prefix).await) })
-            .expect("servers");
-    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let env = servers_with_redis_acl().await;
+    let mut settings = storage_settings(&env);
     settings.redis.url = redis_url(&env.redis, "storage", &password("redis-storage"));
     let h = Harness::connect(settings.clone()).await.expect("harness as the ACL user");
     let _storage =
@@ -325,11 +335,7 @@ async fn storage_works_as_a_redis_acl_user_confined_to_its_namespace() {
 
 #[tokio::test]
 async fn a_wrong_redis_password_fails_storage_clearly_without_printing_it() {
-    let prefix = unique_name();
-    let (nats, redis) =
-        tokio::try_join!(NatsServer::start(), async { Ok(redis_with_acl(&prefix).await) })
-            .expect("servers");
-    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
+    let env = servers_with_redis_acl().await;
     let mut settings = settings_for(&env);
     let wrong = "wrong-Pa55word";
     settings.redis.url = redis_url(&env.redis, "storage", wrong);
@@ -357,6 +363,21 @@ fn settings_from(env: &TestEnv, extra: &[(&str, String)]) -> anyhow::Result<Sett
     Ok(Settings::load_from(None, &vars)?)
 }
 
+/// A harness and the storage binary on the settings `extra` switches to
+/// TLS, and one command applied through them.
+async fn one_command_over_tls(
+    env: &TestEnv,
+    extra: &[(&str, String)],
+) -> (Harness, StorageProcess) {
+    let settings = settings_from(env, extra).expect("TLS keys in the settings");
+    let h = Harness::connect(settings.clone()).await.expect("harness over TLS");
+    let vars: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let storage = StorageProcess::start(&settings, &vars).expect("storage over TLS");
+    h.send(vec![patch(BRAND, 1, "sku-1", &product("Roses", 100, 1), 0)]).await.expect("send");
+    h.wait_settled().await;
+    (h, storage)
+}
+
 #[tokio::test]
 async fn nats_over_tls_is_switched_on_by_config() {
     let (_certs, ca, cert, key) = test_certificates();
@@ -372,12 +393,7 @@ async fn nats_over_tls_is_switched_on_by_config() {
         ("SHELFSYNC__NATS__TLS_CA_FILE", ca.clone()),
         ("SHELFSYNC__NATS__TLS_REQUIRED", "true".into()),
     ];
-    let settings = settings_from(&env, &extra).expect("TLS keys in the settings");
-    let h = Harness::connect(settings.clone()).await.expect("harness over TLS");
-    let vars: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _storage = StorageProcess::start(&settings, &vars).expect("storage over TLS");
-    h.send(vec![patch(BRAND, 1, "sku-1", &product("Roses", 100, 1), 0)]).await.expect("send");
-    h.wait_settled().await;
+    let (h, _storage) = one_command_over_tls(&env, &extra).await;
     assert_eq!(h.changes().await.expect("changes").len(), 1);
     // Without the CA the server's certificate is not trusted.
     let untrusted = settings_from(&env, &extra[..1]).expect("settings");
@@ -413,12 +429,7 @@ async fn redis_over_tls_is_switched_on_by_config() {
         ("SHELFSYNC__REDIS__URL", format!("rediss://127.0.0.1:{tls_port}")),
         ("SHELFSYNC__REDIS__TLS_CA_FILE", ca.clone()),
     ];
-    let settings = settings_from(&env, &extra).expect("TLS keys in the settings");
-    let h = Harness::connect(settings.clone()).await.expect("harness over TLS");
-    let vars: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let _storage = StorageProcess::start(&settings, &vars).expect("storage over TLS");
-    h.send(vec![patch(BRAND, 1, "sku-1", &product("Roses", 100, 1), 0)]).await.expect("send");
-    h.wait_settled().await;
+    let (h, _storage) = one_command_over_tls(&env, &extra).await;
     assert!(h.get(BRAND, 1, "sku-1").await.expect("get over TLS").is_some());
 }
 
@@ -438,8 +449,7 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
     };
     let (flowers, roses) =
         (tokens_file("flowers", FLOWERS_TOKEN), tokens_file("roses", ROSES_TOKEN));
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     // `closed` has no token source: push is disabled for it.
     settings.partners = Settings::from_toml(&format!(
         "[[partners]]\nname = \"flowers\"\nbrand_id = {BRAND}\nkind = \"full\"\npush_tokens_file = \"{flowers}\"\n\
@@ -560,14 +570,7 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
 /// stores nothing twice and trips no permission.
 #[tokio::test]
 async fn storage_reads_its_subjects_back_under_its_own_permissions() {
-    let prefix = unique_name();
-    let conf = authorization(&prefix);
-    let (nats, redis) =
-        tokio::try_join!(NatsServer::start_with_config(&conf), RedisServer::start())
-            .expect("servers");
-    let env = TestEnv { nats, redis, namespace: prefix.clone(), prefix };
-    let mut base = settings_for(&env);
-    base.storage.keyframe_schedule = String::new();
+    let (env, base) = authorized_servers().await;
     let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
     for i in 0..5 {
         h.send(vec![patch(BRAND, 1, &format!("sku-{i}"), &product("Roses", 100, 1), 0)])

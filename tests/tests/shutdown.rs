@@ -22,8 +22,7 @@ fn free_port() -> u16 {
 /// The test settings with no keyframe schedule and storage's HTTP port on
 /// a free one.
 fn settings_with_http(env: &TestEnv) -> Settings {
-    let mut settings = settings_for(env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(env);
     settings.storage.http_listen = format!("127.0.0.1:{}", free_port());
     settings
 }
@@ -63,10 +62,6 @@ async fn sigterm_mid_import_exits_zero_and_loses_or_duplicates_nothing() {
         brand_id: BRAND,
         kind: ImportKind::Delta,
         fields: vec!["title".into(), "price".into(), "stock".into()],
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
         ..Default::default()
     };
     settings.partners = vec![partner.clone()];

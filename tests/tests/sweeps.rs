@@ -16,8 +16,8 @@
 
 use std::time::{Duration, Instant};
 
-use shelfsync_ingest::{ImportReport, ImportConfig, Importer, Source};
-use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_ingest::ImportReport;
+use shelfsync_settings::{ImportKind, PartnerSettings};
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
 
@@ -33,25 +33,17 @@ fn partner(name: &str, max_fraction: f64) -> PartnerSettings {
     }
 }
 
-struct World {
-    _env: TestEnv,
-    h: Harness,
-    _storage: InProcessStorage,
-    importer: Importer,
-    settings: Settings,
-    dir: tempfile::TempDir,
+struct World(Importing);
+
+impl std::ops::Deref for World {
+    type Target = Importing;
+    fn deref(&self) -> &Importing {
+        &self.0
+    }
 }
 
 async fn start() -> World {
-    let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
-    settings.partners = vec![partner("flowers", 0.5), partner("lenient", 0.8)];
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
-    let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
-    let dir = tempfile::tempdir().expect("tmp");
-    World { _env: env, h, _storage: storage, importer, settings, dir }
+    World(Importing::start(vec![partner("flowers", 0.5), partner("lenient", 0.8)]).await)
 }
 
 /// A nested feed: per place, items `sku-<from>`.. `sku-<to - 1>`, or
@@ -75,12 +67,7 @@ fn feed(places: &[(i64, std::ops::Range<usize>, bool)]) -> String {
 
 impl World {
     async fn import_as(&self, partner: &str, body: &str) -> ImportReport {
-        let path = self.dir.path().join(format!("{partner}-{}.json", now_us()));
-        std::fs::write(&path, body).expect("write feed");
-        let p = self.settings.partner(partner).expect("partner").clone();
-        let report = self.importer.import(&p, Source::File(path), None).await.expect("import");
-        self.h.wait_settled().await;
-        report
+        self.0.import(partner, body).await.expect("import")
     }
 
     async fn import(&self, body: &str) -> ImportReport {
@@ -216,8 +203,7 @@ async fn a_large_sweep_with_a_given_storage_binary() {
 
 async fn large_sweep(records: usize, storage_bin: Option<String>) {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let settings = storage_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let _in_process;
     let _child;

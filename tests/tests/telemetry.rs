@@ -132,17 +132,12 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     let dir = tempfile::tempdir().expect("tmp");
     let tokens = dir.path().join("traced.tokens");
     std::fs::write(&tokens, format!("{TOKEN}\n")).expect("tokens file");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let mut settings = storage_settings(&env);
     let partner = PartnerSettings {
         name: PARTNER.into(),
         brand_id: BRAND,
         kind: ImportKind::Delta,
         fields: vec!["title".into(), "price".into(), "stock".into()],
-        source: None,
-        poll_interval: None,
-        format: Default::default(),
-        clear_missing: true,
         push_tokens_file: Some(tokens),
         ..Default::default()
     };
@@ -341,8 +336,7 @@ fn baggage_entries(value: Option<&str>) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commands_baggage_outlives_a_crash_between_commit_and_relay() {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let settings = storage_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let p = h.partition(BRAND, PLACE);
     let batch = CommandBatch {

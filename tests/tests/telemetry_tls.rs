@@ -131,8 +131,7 @@ struct Applied {
 
 async fn apply_one_command(otel: &[(&str, &str)]) -> Applied {
     let env = TestEnv::start().await.expect("servers");
-    let mut settings = settings_for(&env);
-    settings.storage.keyframe_schedule = String::new();
+    let settings = storage_settings(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let logs = tempfile::tempdir().expect("tmp");
     let storage = Storage::start(&settings, otel, &logs.path().join("storage.log"));

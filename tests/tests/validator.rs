@@ -18,11 +18,9 @@ use shelfsync_validator::{DECIDED_BY, Stats};
 const BRAND: i64 = 7;
 const PRICE_REASON: &str = "price is not positive";
 
-fn settings(env: &TestEnv) -> Settings {
-    let mut s = settings_for(env);
-    s.storage.keyframe_schedule = String::new();
+/// The validator's part of the settings: a port of its own.
+fn validator_settings(s: &mut Settings) {
     s.validator.http_listen = "127.0.0.1:0".into();
-    s
 }
 
 /// A validator running in this process (the real `App`).
@@ -126,7 +124,8 @@ fn price(p: i64) -> Product {
 #[tokio::test]
 async fn hides_a_rule_breaker_and_shows_it_again_once_fixed() {
     let env = TestEnv::start().await.expect("servers");
-    let settings = settings(&env);
+    let mut settings = storage_settings(&env);
+    validator_settings(&mut settings);
     // Started before any stream exists: alive, not ready, binding in the background.
     let validator = RunningValidator::start(settings.clone()).await;
     let (status, _) = http_get(validator.addr, "/healthz").await.expect("healthz");
@@ -184,10 +183,7 @@ async fn hides_a_rule_breaker_and_shows_it_again_once_fixed() {
 /// version — queues behind it and is applied after it.
 #[tokio::test]
 async fn a_hide_decided_on_an_old_version_loses_to_the_integration() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage, settings, env: _env } = Stack::start_with(validator_settings).await;
     let validator = RunningValidator::start(settings.clone()).await;
     validator.wait_ready().await; // its durable consumer exists from here on
 
@@ -240,10 +236,8 @@ async fn a_hide_decided_on_an_old_version_loses_to_the_integration() {
 
 #[tokio::test]
 async fn replicas_share_the_consumer_and_decide_each_change_once() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, settings, env: _env } =
+        Stack::start_with(validator_settings).await;
     let a = RunningValidator::start(settings.clone()).await;
     let b = RunningValidator::start(settings.clone()).await;
     a.wait_ready().await;
@@ -286,10 +280,8 @@ async fn replicas_share_the_consumer_and_decide_each_change_once() {
 
 #[tokio::test]
 async fn its_own_writes_do_not_make_it_loop() {
-    let env = TestEnv::start().await.expect("servers");
-    let settings = settings(&env);
-    let h = Harness::connect(settings.clone()).await.expect("harness");
-    let _storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let Stack { h, storage: _storage, settings, env: _env } =
+        Stack::start_with(validator_settings).await;
     let validator = RunningValidator::start(settings.clone()).await;
     validator.wait_ready().await;
     let count = |changes: &[Change]| of_key(changes, 1, "sku").len();

@@ -43,6 +43,28 @@ struct PeerStep<'a> {
     feed_changes: u64,
 }
 
+/// The peer's imports in order: the base dump (`records` changes, the feed generator's count),
+/// the same again (none), the churned dump and back to the base (`churned` each).
+fn peer_steps<'a>(
+    base: &'a Dump,
+    churn: &'a Dump,
+    records: u64,
+    churned: u64,
+) -> [PeerStep<'a>; 4] {
+    let step = |scenario, from: Option<&Dump>, dump: &'a Dump, feed_changes| PeerStep {
+        scenario,
+        dump,
+        diff: rows::diff(from, dump),
+        feed_changes,
+    };
+    [
+        step(INITIAL, None, base, records),
+        step(IDENTICAL, Some(base), base, 0),
+        step(CHURN, Some(base), churn, churned),
+        step(CHURN_BACK, Some(churn), base, churned),
+    ]
+}
+
 /// Runs the peer on the base and churn dumps and puts what it measured into `report`, also
 /// when it fails part way.
 pub async fn run(
@@ -65,33 +87,7 @@ async fn measure_peer(
 ) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let (base, churn) = tokio::try_join!(prepare(&feeds.base), prepare(&feeds.churn))?;
-    let records = base.records();
-    let steps = [
-        PeerStep {
-            scenario: INITIAL,
-            dump: &base,
-            diff: rows::diff(None, &base),
-            feed_changes: records,
-        },
-        PeerStep {
-            scenario: IDENTICAL,
-            dump: &base,
-            diff: rows::diff(Some(&base), &base),
-            feed_changes: 0,
-        },
-        PeerStep {
-            scenario: CHURN,
-            dump: &churn,
-            diff: rows::diff(Some(&base), &churn),
-            feed_changes: feeds.churned,
-        },
-        PeerStep {
-            scenario: CHURN_BACK,
-            dump: &base,
-            diff: rows::diff(Some(&churn), &base),
-            feed_changes: feeds.churned,
-        },
-    ];
+    let steps = peer_steps(&base, &churn, base.records(), feeds.churned);
     peer.prepare_s = started.elapsed().as_secs_f64();
 
     let (dir, durable) = (world.work.join("postgres"), world.durable);
@@ -266,26 +262,9 @@ mod tests {
         let server = tokio::task::spawn_blocking(move || PgServer::start(&pg_dir, true)).await??;
         let clients = load::connect(&server.conninfo(), 2).await?;
         let (base, churn) = (dump(2500, false), dump(2500, true));
-        let steps = [
-            PeerStep {
-                scenario: INITIAL,
-                dump: &base,
-                diff: rows::diff(None, &base),
-                feed_changes: 2500,
-            },
-            PeerStep {
-                scenario: IDENTICAL,
-                dump: &base,
-                diff: rows::diff(Some(&base), &base),
-                feed_changes: 0,
-            },
-            PeerStep {
-                scenario: CHURN,
-                dump: &churn,
-                diff: rows::diff(Some(&base), &churn),
-                feed_changes: 25,
-            },
-        ];
+        // The first three steps: the base, the same again, the churn.
+        let [initial, identical, churned, _] = peer_steps(&base, &churn, 2500, 25);
+        let steps = [initial, identical, churned];
         let mut generation = 0;
         for v in Variant::ALL {
             import_variant(&server, &clients, v, &steps, &mut generation, |step, row| {

@@ -178,16 +178,7 @@ async fn list(ctx: &Context, args: ListArgs) -> anyhow::Result<()> {
             );
             for r in batch.rejections.iter().filter(|r| is_dead_letter(r)) {
                 let text = if args.json {
-                    json!({
-                        "kind": "command",
-                        "seq": seq,
-                        "partition": partition,
-                        "reason": r.reason,
-                        "detail": r.detail,
-                        "raw_bytes": r.raw.len(),
-                        "cut": is_cut(r),
-                    })
-                    .to_string()
+                    dead_command_json(seq, partition, r).to_string()
                 } else {
                     format!(
                         "command rejects seq {seq}  partition {}  {}: {} ({} raw bytes kept{})",
@@ -288,19 +279,25 @@ async fn dead_command(stream: &Stream, seq: u64) -> anyhow::Result<(Rejection, O
     Ok((r, partition_of_msg_id(id.as_deref())))
 }
 
-async fn show_command(ctx: &Context, seq: u64) -> anyhow::Result<()> {
-    let js = ctx.jetstream().await?;
-    let stream = streams::open(&js, &ctx.subjects().rejects_stream()).await?;
-    let (r, partition) = dead_command(&stream, seq).await?;
-    let mut v = json!({
+/// A dead-lettered command message as `dead-letters --json` lists it and
+/// `--show` starts its answer.
+fn dead_command_json(seq: u64, partition: Option<u32>, r: &Rejection) -> Value {
+    json!({
         "kind": "command",
         "seq": seq,
         "partition": partition,
         "reason": r.reason,
         "detail": r.detail,
         "raw_bytes": r.raw.len(),
-        "cut": is_cut(&r),
-    });
+        "cut": is_cut(r),
+    })
+}
+
+async fn show_command(ctx: &Context, seq: u64) -> anyhow::Result<()> {
+    let js = ctx.jetstream().await?;
+    let stream = streams::open(&js, &ctx.subjects().rejects_stream()).await?;
+    let (r, partition) = dead_command(&stream, seq).await?;
+    let mut v = dead_command_json(seq, partition, &r);
     // What the message says, when it decodes (a `failed` one does).
     if let Ok(batch) = CommandBatch::decode(r.raw.as_slice())
         && let Value::Object(m) = &mut v
@@ -396,36 +393,15 @@ async fn redrive_entries(ctx: &Context, args: RedriveArgs) -> anyhow::Result<()>
     let request =
         RedriveRequest { partitions: args.partitions.clone(), msg_ids: args.msg_ids.clone() };
     let expected = ctx.settings.storage.replicas;
-    let mut out = std::io::stdout();
-    let (mut redriven, mut failed) = (0, 0);
+    let mut redriven = 0;
     let subject = ctx.subjects().ctl_redrive();
-    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: RedriveReply| {
+    let is_failure = |r: &RedriveReply| !r.error.is_empty();
+    let line = |reply: &RedriveReply| {
         redriven += reply.redriven;
-        if !reply.error.is_empty() {
-            failed += 1;
-        }
-        let text = if args.json {
-            json!({
-                "replica": reply.replica,
-                "redriven": reply.redriven,
-                "error": (!reply.error.is_empty()).then_some(&reply.error),
-            })
-            .to_string()
-        } else if reply.error.is_empty() {
-            format!(
-                "replica {}: {} entries put back into their outbox",
-                reply.replica, reply.redriven
-            )
-        } else {
-            format!(
-                "replica {}: {} entries put back, error: {}",
-                reply.replica, reply.redriven, reply.error
-            )
-        };
-        writeln!(out, "{text}")?;
-        Ok(())
-    })
-    .await?;
+        render_redrive(reply, args.json)
+    };
+    let failed =
+        rpc::print_every_reply(ctx, subject, &request, args.timeout, is_failure, line).await?;
     anyhow::ensure!(failed == 0, "{failed} of {expected} storage replicas failed the redrive");
     if redriven == 0 && !args.msg_ids.is_empty() {
         return Err(CliError::NotFound(format!(
@@ -435,6 +411,24 @@ async fn redrive_entries(ctx: &Context, args: RedriveArgs) -> anyhow::Result<()>
         .into());
     }
     Ok(())
+}
+
+fn render_redrive(reply: &RedriveReply, json: bool) -> String {
+    if json {
+        json!({
+            "replica": reply.replica,
+            "redriven": reply.redriven,
+            "error": (!reply.error.is_empty()).then_some(&reply.error),
+        })
+        .to_string()
+    } else if reply.error.is_empty() {
+        format!("replica {}: {} entries put back into their outbox", reply.replica, reply.redriven)
+    } else {
+        format!(
+            "replica {}: {} entries put back, error: {}",
+            reply.replica, reply.redriven, reply.error
+        )
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,6 @@
 //! replies are gathered until `storage.replicas` have answered or the
 //! timeout passes.
 
-use std::io::Write;
 use std::time::Duration;
 
 use serde_json::json;
@@ -47,18 +46,11 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         place_id: args.place.unwrap_or(0),
     };
     let expected = ctx.settings.storage.replicas;
-    let mut out = std::io::stdout();
-    let mut failed = 0;
     let subject = ctx.subjects().ctl_keyframe();
-    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: KeyframeReply| {
-        if !reply.error.is_empty() {
-            failed += 1;
-        }
-        writeln!(out, "{}", render(&reply, args.json))?;
-        out.flush()?;
-        Ok(())
-    })
-    .await?;
+    let is_failure = |r: &KeyframeReply| !r.error.is_empty();
+    let line = |r: &KeyframeReply| render(r, args.json);
+    let failed =
+        rpc::print_every_reply(ctx, subject, &request, args.timeout, is_failure, line).await?;
     anyhow::ensure!(failed == 0, "{failed} of {expected} storage replicas failed the keyframe");
     Ok(())
 }

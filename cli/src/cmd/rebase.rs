@@ -8,7 +8,6 @@
 //! default: apply everything the new stream holds), and replies; the workers
 //! resume within seconds. A partition that is not refused is left alone.
 
-use std::io::Write;
 use std::time::Duration;
 
 use serde_json::json;
@@ -37,17 +36,11 @@ pub struct Args {
 pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     let request =
         RebaseRequest { partitions: args.partitions.clone(), applied_seq: args.applied_seq };
-    let mut out = std::io::stdout();
-    let mut failed = 0;
     let subject = ctx.subjects().ctl_rebase();
-    rpc::ask_every_replica(ctx, subject, &request, args.timeout, |reply: RebaseReply| {
-        if !reply.error.is_empty() {
-            failed += 1;
-        }
-        writeln!(out, "{}", render(&reply, args.json))?;
-        Ok(())
-    })
-    .await?;
+    let is_failure = |r: &RebaseReply| !r.error.is_empty();
+    let line = |r: &RebaseReply| render(r, args.json);
+    let failed =
+        rpc::print_every_reply(ctx, subject, &request, args.timeout, is_failure, line).await?;
     anyhow::ensure!(failed == 0, "{failed} replicas could not re-base every partition");
     Ok(())
 }

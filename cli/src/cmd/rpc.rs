@@ -3,6 +3,7 @@
 //! every replica answers (`ctl.*`). Failures come back as [`CliError`]s so
 //! that the exit code says whether storage was away, slow or refused.
 
+use std::io::Write as _;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -111,6 +112,28 @@ pub async fn ask_every_replica<R: prost::Message + Default>(
         return Err(missing_replies(got, expected, timeout));
     }
     Ok(())
+}
+
+/// [`ask_every_replica`], printing each reply on a line of stdout as it comes
+/// (`render` of it); returns how many replies `failed`.
+pub async fn print_every_reply<R: prost::Message + Default>(
+    ctx: &crate::Context,
+    subject: String,
+    request: &impl prost::Message,
+    timeout: Duration,
+    failed: impl Fn(&R) -> bool,
+    mut render: impl FnMut(&R) -> String,
+) -> anyhow::Result<usize> {
+    let mut out = std::io::stdout();
+    let mut failures = 0;
+    ask_every_replica(ctx, subject, request, timeout, |reply: R| {
+        failures += usize::from(failed(&reply));
+        writeln!(out, "{}", render(&reply))?;
+        out.flush()?;
+        Ok(())
+    })
+    .await?;
+    Ok(failures)
 }
 
 /// The error when fewer replicas answered than `storage.replicas` says.

@@ -115,10 +115,6 @@ async fn main() -> anyhow::Result<()> {
         brand_id: 7,
         kind: ImportKind::Full,
         fields,
-        source: None,
-        poll_interval: None,
-        format: FeedFormat::Auto,
-        clear_missing: true,
         ..Default::default()
     };
     let importer = Importer::connect(ImportConfig::from(&settings)).await?;

@@ -11,7 +11,7 @@ use shelfsync_bus::{Subjects, partition_of};
 use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, ImportConfig, Importer, Source};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, RejectionBatch};
 use shelfsync_service::Service as _;
-use shelfsync_settings::{FeedFormat, ImportKind, PartnerSettings, Settings};
+use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::{TestEnv, eventually};
 
 type Result<T = ()> = anyhow::Result<T>;
@@ -29,19 +29,7 @@ struct Harness {
 
 fn partner(name: &str, kind: ImportKind, fields: &[&str]) -> PartnerSettings {
     let fields = fields.iter().map(|f| f.to_string()).collect();
-    let (source, poll_interval, format) = (None, None, FeedFormat::Auto);
-    let name = name.into();
-    PartnerSettings {
-        name,
-        brand_id: 7,
-        kind,
-        fields,
-        source,
-        poll_interval,
-        format,
-        clear_missing: true,
-        ..Default::default()
-    }
+    PartnerSettings { name: name.into(), brand_id: 7, kind, fields, ..Default::default() }
 }
 
 fn full(name: &str) -> PartnerSettings {
@@ -50,11 +38,7 @@ fn full(name: &str) -> PartnerSettings {
 
 async fn harness(partners: Vec<PartnerSettings>) -> Result<Harness> {
     let env = TestEnv::start().await?;
-    let mut settings = Settings::default();
-    settings.nats.url = env.nats.url();
-    settings.nats.prefix = env.prefix.clone();
-    settings.redis.url = env.redis.url();
-    settings.redis.namespace = env.namespace.clone();
+    let mut settings = env.settings();
     settings.storage.partitions = 4;
     settings.ingest.listen = "127.0.0.1:0".into();
     settings.partners = partners;
@@ -115,6 +99,12 @@ impl Harness {
         let mut commands: Vec<Command> = batches.into_iter().flat_map(|b| b.2.commands).collect();
         commands.sort_by_key(|c| c.key.as_ref().map(|k| k.product_id.clone()));
         Ok(commands)
+    }
+
+    /// The product ids of [`Harness::commands`], in their order.
+    async fn product_ids(&self) -> Result<Vec<String>> {
+        let commands = self.commands().await?;
+        Ok(commands.iter().filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone())).collect())
     }
 }
 
@@ -486,12 +476,7 @@ async fn a_rewritten_tokens_file_rotates_the_push_tokens_without_a_restart() -> 
     assert_eq!(push(NEWER_TOKEN, "h").await?.0, 200, "a good file again is read");
     assert_eq!(push(NEW_TOKEN, "i").await?.0, 401);
 
-    let ids: Vec<String> = h
-        .commands()
-        .await?
-        .iter()
-        .filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone()))
-        .collect();
+    let ids = h.product_ids().await?;
     assert_eq!(ids, ["a", "b", "d", "e", "f", "h"], "exactly the accepted pushes landed");
     service.stop().await
 }
@@ -645,12 +630,7 @@ async fn push_tokens_from_an_environment_variable_work() -> Result {
     assert_eq!(push(Some(NEWER_TOKEN), "d").await?.status(), 401);
     let other = http.post(format!("{base}/v1/partners/other/feed")).bearer_auth(NEW_TOKEN);
     assert_eq!(other.body(line("e", 2)).send().await?.status(), 403, "push disabled for `other`");
-    let ids: Vec<String> = h
-        .commands()
-        .await?
-        .iter()
-        .filter_map(|c| c.key.as_ref().map(|k| k.product_id.clone()))
-        .collect();
+    let ids = h.product_ids().await?;
     assert_eq!(ids, ["a", "b"]);
     Ok(())
 }

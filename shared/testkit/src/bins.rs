@@ -2,7 +2,7 @@
 //! `nats-server` / `redis-server` the harness spawns. Read-only; never installs anything.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use anyhow::{Context, anyhow, bail};
@@ -24,6 +24,18 @@ pub fn workspace_bin(name: &str) -> anyhow::Result<PathBuf> {
         bail!("workspace binary {} not found; run `cargo build --workspace` first", path.display());
     }
     Ok(path)
+}
+
+/// The stdout of a finished `shelfsync {args}` run; an error with its exit status and stderr
+/// unless it succeeded.
+pub fn stdout_of_success(args: &[&str], out: Output) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        out.status.success(),
+        "shelfsync {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
 }
 
 /// The `nats-server` to run: `SHELFSYNC_NATS_SERVER`, else the first >= 2.10 found on PATH,

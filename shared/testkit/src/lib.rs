@@ -7,11 +7,12 @@
 //!   same port and data dir for fault tests.
 //! - [`RedisCluster`] / [`NatsCluster`]: a real Redis Cluster (`redis-cli --cluster create`) and
 //!   a NATS cluster with clustered JetStream, node by node killable, for scale-out tests.
-//! - [`TestEnv`]: both servers plus a unique prefix/namespace for one test.
+//! - [`TestEnv`]: both servers plus a unique prefix/namespace for one test, and default settings
+//!   pointed at them.
 //! - [`eventually`]: wait for a condition with a deadline instead of sleeping.
 //! - [`settings_env`]: the environment that hands settings to a child process.
 //! - [`workspace_bin`], [`nats_server_bin`], [`redis_server_bin`], [`redis_cli_bin`]: locate the
-//!   binaries to run.
+//!   binaries to run; [`stdout_of_success`]: what a run of one printed, if it succeeded.
 
 #![forbid(unsafe_code)]
 
@@ -25,7 +26,9 @@ mod redis;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-pub use bins::{nats_server_bin, redis_cli_bin, redis_server_bin, workspace_bin};
+use shelfsync_settings::Settings;
+
+pub use bins::{nats_server_bin, redis_cli_bin, redis_server_bin, stdout_of_success, workspace_bin};
 pub use cluster::{NatsCluster, RedisCluster};
 pub use env::settings_env;
 pub use nats::NatsServer;
@@ -54,6 +57,16 @@ impl TestEnv {
     pub fn with_servers(nats: NatsServer, redis: RedisServer) -> TestEnv {
         let prefix = unique_name();
         TestEnv { nats, redis, namespace: prefix.clone(), prefix }
+    }
+
+    /// Default settings pointed at these servers, with this test's prefix and namespace.
+    pub fn settings(&self) -> Settings {
+        let mut s = Settings::default();
+        s.nats.url = self.nats.url();
+        s.nats.prefix = self.prefix.clone();
+        s.redis.url = self.redis.url();
+        s.redis.namespace = self.namespace.clone();
+        s
     }
 }
 

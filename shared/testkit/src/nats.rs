@@ -8,7 +8,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::bins::nats_server_bin;
-use crate::process::{self, Proc, START_ATTEMPTS};
+use crate::process::{self, Proc, Server};
 
 /// A nats-server child process with JetStream on `127.0.0.1:<free port>`, killed on drop.
 pub struct NatsServer {
@@ -36,18 +36,14 @@ impl NatsServer {
         let proc = Proc::new(nats_server_bin()?, dir.path().join("nats-server.log"));
         let name = format!("testkit_{:016x}", process::random_u64());
         let store_dir = dir.path().join("js");
-        let mut server = NatsServer { proc, port: 0, monitor_port: 0, name, store_dir, dir };
-        for attempt in 1..=START_ATTEMPTS {
+        let server = NatsServer { proc, port: 0, monitor_port: 0, name, store_dir, dir };
+        process::start_on_free_ports(server, |server| {
             [server.port, server.monitor_port] = process::free_ports()?;
             let conf_path = server.write_config(extra_conf)?;
             server.proc.set_args(vec!["-c".into(), conf_path.into()]);
-            match server.boot(true).await {
-                Ok(()) => return Ok(server),
-                Err(_) if attempt < START_ATTEMPTS && server.proc.port_was_taken() => {}
-                Err(e) => return Err(e),
-            }
-        }
-        unreachable!("the last attempt returns")
+            Ok(())
+        })
+        .await
     }
 
     /// `nats://127.0.0.1:PORT`
@@ -112,6 +108,12 @@ impl NatsServer {
         let path = self.dir.path().join("nats-server.conf");
         std::fs::write(&path, conf).with_context(|| format!("writing {}", path.display()))?;
         Ok(path)
+    }
+}
+
+impl Server for NatsServer {
+    fn proc(&self) -> &Proc {
+        &self.proc
     }
 
     async fn boot(&mut self, fresh_log: bool) -> anyhow::Result<()> {

@@ -21,6 +21,32 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Fresh-port attempts when another process grabbed the port between our probe and the bind.
 pub(crate) const START_ATTEMPTS: usize = 3;
 
+/// A server of this kit, as [`start_on_free_ports`] drives it.
+pub(crate) trait Server {
+    fn proc(&self) -> &Proc;
+
+    /// Spawns the child (with a new log, or after the old one) and waits until it is ready.
+    async fn boot(&mut self, fresh_log: bool) -> anyhow::Result<()>;
+}
+
+/// Boots `server` once `take_ports` gave it free ports and the command line for them; again
+/// with fresh ones when another process took a port between the probe and the bind, up to
+/// [`START_ATTEMPTS`] times. Any other failure is returned at once.
+pub(crate) async fn start_on_free_ports<S: Server>(
+    mut server: S,
+    mut take_ports: impl FnMut(&mut S) -> anyhow::Result<()>,
+) -> anyhow::Result<S> {
+    for attempt in 1..=START_ATTEMPTS {
+        take_ports(&mut server)?;
+        match server.boot(true).await {
+            Ok(()) => return Ok(server),
+            Err(_) if attempt < START_ATTEMPTS && server.proc().port_was_taken() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("the last attempt returns")
+}
+
 /// A server command line plus its running child, if any. Dropping it kills the child, so a
 /// panicking test never leaks servers.
 pub(crate) struct Proc {

@@ -10,7 +10,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::bins::redis_server_bin;
-use crate::process::{self, Proc, START_ATTEMPTS};
+use crate::process::{self, Proc, Server};
 
 /// A redis-server child on `127.0.0.1:<free port>`, no persistence by default, killed on drop.
 pub struct RedisServer {
@@ -31,8 +31,8 @@ impl RedisServer {
     pub async fn start_with_args(args: &[&str]) -> anyhow::Result<RedisServer> {
         let dir = tempfile::Builder::new().prefix("shelfsync-redis-").tempdir()?;
         let proc = Proc::new(redis_server_bin()?, dir.path().join("redis.log"));
-        let mut server = RedisServer { proc, port: 0, dir };
-        for attempt in 1..=START_ATTEMPTS {
+        let server = RedisServer { proc, port: 0, dir };
+        process::start_on_free_ports(server, |server| {
             [server.port] = process::free_ports()?;
             let mut argv: Vec<OsString> =
                 ["--port", &server.port.to_string(), "--bind", "127.0.0.1"]
@@ -46,13 +46,9 @@ impl RedisServer {
             argv.extend([OsString::from("--logfile"), server.log_path().into()]);
             argv.extend(args.iter().map(OsString::from));
             server.proc.set_args(argv);
-            match server.boot(true).await {
-                Ok(()) => return Ok(server),
-                Err(_) if attempt < START_ATTEMPTS && server.proc.port_was_taken() => {}
-                Err(e) => return Err(e),
-            }
-        }
-        unreachable!("the last attempt returns")
+            Ok(())
+        })
+        .await
     }
 
     /// `redis://127.0.0.1:PORT`
@@ -92,6 +88,12 @@ impl RedisServer {
     /// Starts again with the same port, dir and args; waits until it answers and is not loading.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.boot(false).await
+    }
+}
+
+impl Server for RedisServer {
+    fn proc(&self) -> &Proc {
+        &self.proc
     }
 
     async fn boot(&mut self, fresh_log: bool) -> anyhow::Result<()> {
