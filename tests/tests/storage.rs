@@ -502,6 +502,8 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
     let h = Harness::connect(settings.clone()).await.expect("harness");
     let keys = h.store.keys(h.partition(BRAND, 1).0);
     let (g0, g1, g2) = (500, 1_000, 2_000);
+    // Recent, so that no purge of tombstones or absent records is due.
+    let at = now_us();
     // sku-0..19 live, 20..24 absent, 25..29 deleted, all of g1; sku-30 as
     // an upgrade that stopped half-way leaves one: moved (g0), no entry.
     let mut pipe = redis::pipe();
@@ -513,8 +515,8 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
             absent,
             deleted,
             generation: if i == 30 { g0 } else { 0 },
-            created_at: 5,
-            updated_at: 10 + i,
+            created_at: at,
+            updated_at: at + i,
             ..Default::default()
         };
         pipe.hset(keys.records(BRAND, 1), &id, record.encode_to_vec()).ignore();
@@ -524,9 +526,9 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
             pipe.hset(keys.legacy_gens(BRAND, 1), &id, format!("{g1}{flag}")).ignore();
         }
         if deleted {
-            pipe.zadd(keys.tombstones(), format!("{BRAND}:1:{id}"), 10 + i).ignore();
+            pipe.zadd(keys.tombstones(), format!("{BRAND}:1:{id}"), at + i).ignore();
         } else if absent {
-            pipe.zadd(keys.absent(), format!("{BRAND}:1:{id}"), 10 + i).ignore();
+            pipe.zadd(keys.absent(), format!("{BRAND}:1:{id}"), at + i).ignore();
         }
     }
     pipe.sadd(keys.places(), format!("{BRAND}:1")).ignore();
