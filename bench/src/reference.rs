@@ -3,12 +3,12 @@
 //! prefix) with the same consumer shape as storage — one ordered durable consumer per partition,
 //! one message in flight — and the same Redis connection type and key layout:
 //!
-//! - **floor**: only what cannot be avoided — decode the batch, read the records and generations
-//!   it touches (one pipelined round trip: `HMGET` records + `HMGET` generations per place, and
-//!   the generation column of a swept place), then append the ids a full import carried to its
+//! - **floor**: only what cannot be avoided — decode the batch, read the records it touches, their
+//!   generations inside (one pipelined round trip: `HMGET` records per place, and the records of a
+//!   swept place for its census), then append the ids a full import carried to its
 //!   touched set (one `APPEND` per place, as storage does) and write the records that do not
 //!   exist yet, in one `MULTI`, then ack. No merge, no change detection, no outbox.
-//! - **naive**: what shelfsync replaces — rewrite every record and every generation, and
+//! - **naive**: what shelfsync replaces — rewrite every record (its generation inside), and
 //!   republish every record as a change, at every import.
 //!
 //! Counters answer on `<prefix>.bench.stats` (core NATS request/reply).
@@ -182,10 +182,9 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
     for ((b, p), cmds) in &places {
         let ids: Vec<&str> = cmds.iter().map(|c| product_id(c)).collect();
         read.cmd("HMGET").arg(keys.records(*b, *p)).arg(&ids);
-        read.cmd("HMGET").arg(keys.gens(*b, *p)).arg(&ids);
     }
     for s in &batch.sweeps {
-        read.cmd("HGETALL").arg(keys.gens(s.brand_id, s.place_id));
+        read.cmd("HGETALL").arg(keys.records(s.brand_id, s.place_id));
     }
     let mut conn = ctx.redis.clone();
     let values: Vec<Value> = read.query_async(&mut conn).await?;
@@ -196,7 +195,6 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
     for ((b, p), cmds) in &places {
         let records: Vec<Option<Vec<u8>>> =
             redis::from_redis_value(values.next().unwrap_or(Value::Nil))?;
-        let _generations = values.next();
         let mut carried: BTreeMap<i64, Vec<&str>> = BTreeMap::new();
         let mut new_records: Vec<Vec<u8>> = Vec::new();
         for (c, existing) in cmds.iter().zip(records) {
@@ -237,26 +235,23 @@ async fn naive_batch(
     let keys = Keys::new(&ctx.settings.redis.namespace, partition.0);
     let places = by_place(&batch);
     let now = chrono::Utc::now().timestamp_micros();
-    // Rewrite every record (and generation) of the batch.
+    // Rewrite every record of the batch, its generation inside.
     let mut write = redis::pipe();
     write.atomic();
     for ((b, p), cmds) in &places {
         let mut records = Vec::with_capacity(cmds.len() * 2);
-        let mut gens = Vec::with_capacity(cmds.len() * 2);
         for c in cmds {
             let record = Record {
                 data: c.data.clone(),
+                generation: c.generation,
                 created_at: now,
                 updated_at: now,
                 ..Default::default()
             };
             records.push(product_id(c).as_bytes().to_vec());
             records.push(record.encode_to_vec());
-            gens.push(product_id(c).as_bytes().to_vec());
-            gens.push(c.generation.to_string().into_bytes());
         }
         write.cmd("HSET").arg(keys.records(*b, *p)).arg(records).ignore();
-        write.cmd("HSET").arg(keys.gens(*b, *p)).arg(gens).ignore();
     }
     if !places.is_empty() {
         let mut conn = ctx.redis.clone();

@@ -150,22 +150,32 @@ fn error_of(body: &Value) -> &str {
     body["error"].as_str().unwrap_or_else(|| panic!("no JSON error in {body}"))
 }
 
-/// Every record of a place over HTTP, page by page, in visiting order.
+/// Every record of a place over HTTP, page by page (opaque cursors), in
+/// visiting order.
 async fn http_all_pages(api: &Api, place: i64, limit: usize) -> (Vec<Value>, Vec<usize>) {
-    let mut after: Option<String> = None;
+    let mut cursor: Option<String> = None;
     let mut records = Vec::new();
     let mut sizes = Vec::new();
     for _ in 0..1000 {
-        let from = after.as_deref().map(|a| format!("&after={}", encode(a))).unwrap_or_default();
+        let from = cursor.as_deref().map(|c| format!("&cursor={}", encode(c))).unwrap_or_default();
         let (status, body) =
             api.get(&format!("/v1/places/{BRAND}/{place}/records?limit={limit}{from}")).await;
         assert_eq!(status, 200, "{body}");
         let page = body["records"].as_array().expect("records array");
         sizes.push(page.len());
         records.extend(page.iter().cloned());
-        match body["next_after"].as_str() {
-            Some(next) => after = Some(next.to_string()),
-            None => return (records, sizes),
+        match body["next_cursor"].as_str() {
+            Some(next) => {
+                // A client of the old contract (`after`/`next_after`) does
+                // not stop after page one: it is told to move on.
+                let old = body["next_after"].as_str().expect("next_after while pages remain");
+                assert!(!old.is_empty(), "{body}");
+                cursor = Some(next.to_string());
+            }
+            None => {
+                assert!(body["next_after"].is_null(), "{body}");
+                return (records, sizes);
+            }
         }
     }
     panic!("paging did not end after 1000 pages");
@@ -311,6 +321,10 @@ async fn http_paging_visits_every_record_once_and_bounds_the_limit() {
         ("limit=1001", "limit"),
         ("limit=ten", "limit"),
         (&*format!("after={}", "x".repeat(600)), "after"),
+        // The old contract's product id: refused, not read as something else.
+        ("after=sku-1", "cursor"),
+        ("cursor=not-a-cursor", "cursor"),
+        ("cursor=AAAA", "cursor"),
     ] {
         let (status, body) = api.get(&format!("/v1/places/7/2/records?{query}")).await;
         assert_eq!(status, 400, "{query}: {body}");
@@ -334,12 +348,12 @@ async fn pages_never_exceed_the_limit() {
             sizes.iter().all(|&n| n <= 10),
             "place {place}: HTTP limit=10 gave pages of {sizes:?}"
         );
-        let mut after = String::new();
+        let mut cursor = String::new();
         loop {
             let req = ReadRequest {
                 brand_id: BRAND,
                 place_id: place,
-                after: after.clone(),
+                cursor: cursor.clone(),
                 limit: 10,
                 ..Default::default()
             };
@@ -350,8 +364,8 @@ async fn pages_never_exceed_the_limit() {
                 "place {place}: NATS limit=10 gave {} records",
                 reply.records.len()
             );
-            after = reply.next_after;
-            if after.is_empty() {
+            cursor = reply.next_cursor;
+            if cursor.is_empty() {
                 break;
             }
         }
@@ -390,8 +404,9 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
     );
 
     let mut paged = BTreeMap::new();
-    let mut after = String::new();
+    let mut cursor = String::new();
     let mut pages = 0;
+    let mut old_contract_next = Vec::new();
     for _ in 0..100 {
         let reply = api
             .nats(
@@ -399,7 +414,7 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
                 &ReadRequest {
                     brand_id: BRAND,
                     place_id: 1,
-                    after: after.clone(),
+                    cursor: cursor.clone(),
                     limit: 7,
                     ..Default::default()
                 },
@@ -408,14 +423,20 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
         assert!(reply.error.is_empty(), "{}", reply.error);
         assert!(reply.records.len() <= 7);
         pages += 1;
+        // Nothing is written while paging: no record comes twice.
         for r in reply.records {
             assert!(paged.insert(product_id(&r).to_string(), r).is_none(), "a record on two pages");
         }
-        after = reply.next_after;
-        if after.is_empty() {
+        old_contract_next.push(reply.next_after);
+        cursor = reply.next_cursor;
+        if cursor.is_empty() {
             break;
         }
     }
+    // `next_after` is never empty while pages remain (a client of the old
+    // contract does not take page one for the whole place), empty at the end.
+    let last = old_contract_next.pop().expect("pages");
+    assert!(last.is_empty() && old_contract_next.iter().all(|a| !a.is_empty()), "{last:?}");
     assert_eq!(pages, 4, "23 records at 7 a page");
     assert_eq!(paged, stored, "pages over NATS hold exactly storage's records");
 
@@ -434,6 +455,18 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
     refused(&api.nats("batch", &req(&many)).await, "batch over the limit");
     let over = ReadRequest { brand_id: BRAND, place_id: 1, limit: 51, ..Default::default() };
     refused(&api.nats("place", &over).await, "page over the limit");
+    // The old contract's `after`: an error that points to `cursor`, not a
+    // page read some other way.
+    let old =
+        ReadRequest { brand_id: BRAND, place_id: 1, after: "sku-1".into(), limit: 5, ..Default::default() };
+    let reply = api.nats("place", &old).await;
+    refused(&reply, "page after a product id");
+    assert!(reply.error.contains("cursor"), "{}", reply.error);
+    let bad =
+        ReadRequest { brand_id: BRAND, place_id: 1, cursor: "%%".into(), limit: 5, ..Default::default() };
+    let reply = api.nats("place", &bad).await;
+    refused(&reply, "bad cursor");
+    assert!(reply.error.contains("cursor"), "{}", reply.error);
 }
 
 #[tokio::test]

@@ -489,3 +489,112 @@ async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
         assert!(!h.get(BRAND, 1, &format!("sku-{i}")).await.unwrap().unwrap().absent);
     }
 }
+
+/// A partition as an older version left it (Redis layout 1: generations in
+/// a hash of their own, ids in a zset), written here by hand, is upgraded
+/// when storage binds it: every generation moves into its record, the old
+/// keys go, and imports, sweeps and reads come out as they would have.
+#[tokio::test]
+async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it() {
+    use shelfsync_proto::Record;
+    let env = TestEnv::start().await.expect("servers");
+    let settings = settings_for(&env);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let keys = h.store.keys(h.partition(BRAND, 1).0);
+    let (g0, g1, g2) = (500, 1_000, 2_000);
+    // Recent, so that no purge of tombstones or absent records is due.
+    let at = now_us();
+    // sku-0..19 live, 20..24 absent, 25..29 deleted, all of g1; sku-30 as
+    // an upgrade that stopped half-way leaves one: moved (g0), no entry.
+    let mut pipe = redis::pipe();
+    for i in 0..31i64 {
+        let id = format!("sku-{i}");
+        let (absent, deleted) = ((20..25).contains(&i), (25..30).contains(&i));
+        let record = Record {
+            data: product(&format!("item {i}"), 100 + i, i % 5).encode_to_vec(),
+            absent,
+            deleted,
+            generation: if i == 30 { g0 } else { 0 },
+            created_at: at,
+            updated_at: at + i,
+            ..Default::default()
+        };
+        pipe.hset(keys.records(BRAND, 1), &id, record.encode_to_vec()).ignore();
+        pipe.zadd(keys.legacy_ids(BRAND, 1), &id, 0).ignore();
+        if i < 30 {
+            let flag = if deleted { "d" } else if absent { "a" } else { "" };
+            pipe.hset(keys.legacy_gens(BRAND, 1), &id, format!("{g1}{flag}")).ignore();
+        }
+        if deleted {
+            pipe.zadd(keys.tombstones(), format!("{BRAND}:1:{id}"), at + i).ignore();
+        } else if absent {
+            pipe.zadd(keys.absent(), format!("{BRAND}:1:{id}"), at + i).ignore();
+        }
+    }
+    pipe.sadd(keys.places(), format!("{BRAND}:1")).ignore();
+    let mut conn = h.store.conn();
+    let () = pipe.query_async(&mut conn).await.unwrap();
+
+    let _storage = InProcessStorage::start(settings).await.expect("storage");
+    // The next full import: sku-0 repriced, 1..15 and 30 as they were,
+    // 16..19 left out (swept), then its sweep.
+    let item = |i: i64| product(&format!("item {i}"), 100 + i, i % 5);
+    let mut import: Vec<Command> =
+        (0..16).chain([30]).map(|i| patch(BRAND, 1, &format!("sku-{i}"), &item(i), g2)).collect();
+    import[0] = patch(BRAND, 1, "sku-0", &product("item 0", 1, 0), g2);
+    h.send(import).await.unwrap();
+    h.send_sweep(BRAND, 1, g2).await.unwrap();
+    h.wait_settled().await;
+
+    let layout: Option<String> = redis::cmd("GET").arg(keys.layout()).query_async(&mut conn).await.unwrap();
+    assert_eq!(layout.as_deref(), Some(shelfsync_storage::store::LAYOUT));
+    for old in [keys.legacy_gens(BRAND, 1), keys.legacy_ids(BRAND, 1)] {
+        let exists: bool = redis::cmd("EXISTS").arg(&old).query_async(&mut conn).await.unwrap();
+        assert!(!exists, "{old} is gone");
+    }
+    let changes = h.changes().await.unwrap();
+    let mut changed: Vec<&str> =
+        changes.iter().map(|c| c.key.as_ref().map_or("", |k| k.product_id.as_str())).collect();
+    changed.sort();
+    assert_eq!(changed, ["sku-0", "sku-16", "sku-17", "sku-18", "sku-19"], "repriced and swept");
+    let all = h.store.place_records(settings_partitions(&h), BRAND, 1).await.unwrap();
+    assert_eq!(all.len(), 31);
+    for r in &all {
+        let id = &r.key.as_ref().expect("key").product_id;
+        let i: i64 = id["sku-".len()..].parse().unwrap();
+        let expected = match i {
+            0 => (g2, false, false),
+            1..=15 => (g1, false, false),
+            16..=24 => (g1, true, false),
+            25..=29 => (g1, false, true),
+            _ => (g0, false, false),
+        };
+        assert_eq!((r.generation, r.absent, r.deleted), expected, "{id}");
+        let read = h.get(BRAND, 1, id).await.unwrap().expect("exists");
+        assert_eq!(&read, r, "{id}: a point read says the same");
+    }
+    // Pages (no id index any more) visit every record.
+    let (mut paged, mut cursor) = (Vec::new(), String::new());
+    loop {
+        let (page, next) =
+            h.store.page(settings_partitions(&h), BRAND, 1, &cursor, 4).await.unwrap();
+        assert!(page.len() <= 4);
+        paged.extend(page.into_iter().map(|r| r.key.expect("key").product_id));
+        match next {
+            Some(n) => cursor = n,
+            None => break,
+        }
+    }
+    paged.sort();
+    paged.dedup();
+    assert_eq!(paged.len(), 31, "{paged:?}");
+    // Nothing of the old layout is written again, anywhere.
+    let ns = &h.settings.redis.namespace;
+    let old: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{{{ns}:p*}}:[gi]*")).query_async(&mut conn).await.unwrap();
+    assert!(old.is_empty(), "old layout keys: {old:?}");
+}
+
+fn settings_partitions(h: &Harness) -> u32 {
+    h.settings.storage.partitions
+}

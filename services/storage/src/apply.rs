@@ -18,8 +18,8 @@ use sweep::{Census, Decision};
 /// is part of the key too; kept as the full triple to keep mistakes out.
 pub type Key = (i64, i64, String);
 
-/// The generation column of a record, with the two flags the sweep needs
-/// without reading the record itself.
+/// The generation of a record, with the two flags the sweep needs without
+/// decoding the record (the store reads all three off the record bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GenEntry {
     pub generation: i64,
@@ -28,7 +28,8 @@ pub struct GenEntry {
 }
 
 impl GenEntry {
-    /// `"<gen>"`, `"<gen>a"` (absent) or `"<gen>d"` (deleted).
+    /// `"<gen>"`, `"<gen>a"` (absent) or `"<gen>d"` (deleted): the values
+    /// of layout 1's generation hash, which the store's upgrade reads.
     pub fn encode(&self) -> String {
         let flag = if self.deleted {
             "d"
@@ -54,12 +55,14 @@ impl GenEntry {
 /// One record as loaded from, and written back to, Redis.
 #[derive(Debug, Clone, Default)]
 pub struct Slot {
-    /// The stored envelope (key and generation are not stored in it).
+    /// The stored envelope, without key and generation (the store keeps the
+    /// generation in the record bytes and moves it to `generation`).
     pub record: Option<Record>,
     pub generation: i64,
     /// The record bytes must be written back.
     pub record_dirty: bool,
-    /// The generation entry must be written back.
+    /// The generation must be written back (with the record: it is stored
+    /// in it).
     pub gen_dirty: bool,
     /// Tombstone index change: Some(true) add, Some(false) remove.
     pub tombstone: Option<bool>,
@@ -396,7 +399,7 @@ fn apply_command(
     }
     slot.record = Some(next.clone());
     slot.record_dirty = true;
-    slot.gen_dirty = true; // the flags in the generation column follow the record
+    slot.gen_dirty = true; // the generation is stored with the record
     // Re-creating a deleted record is a CREATED change: no `before`.
     let before = before.as_ref().filter(|_| !was_deleted).map(|r| (r, before_generation));
     Ok(Some(change(&key, before, &next, kind, slot.generation, cmd.origin.clone())))

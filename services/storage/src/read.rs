@@ -8,8 +8,15 @@
 //!
 //! - `GET  /v1/records/{brand}/{place}/{product}` → record, or 404
 //! - `POST /v1/records/{brand}/{place}` with `{"product_ids": [...]}` → `{records, missing}`
-//! - `GET  /v1/places/{brand}/{place}/records?after=ID&limit=N` → `{records, next_after}`
-//!   (product id order; `next_after` is null on the last page)
+//! - `GET  /v1/places/{brand}/{place}/records?cursor=C&limit=N` → `{records, next_cursor}`
+//!   (no cursor to start, then the previous page's `next_cursor`, null on the
+//!   last page; pages follow a scan of the place: no order, a page may hold
+//!   fewer than N records before the end, and a record may come twice, so
+//!   clients dedupe by product id — see `Store::page`). `after=ID` (pages in
+//!   product id order, before) is refused with a 400 that points to
+//!   `cursor`; `next_after` stays in the answer, not null while pages remain,
+//!   so that a client of `after` asks again and is told so rather than take
+//!   the first page for the whole place.
 //! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
 //! - `GET  /healthz` (200 while the process runs), `GET /readyz` (503 until
 //!   every owned partition's consumer is bound, while draining on shutdown,
@@ -134,12 +141,14 @@ impl ReadApi {
         Ok((records, missing))
     }
 
-    /// One page of a place's records in product id order, at most `limit`,
-    /// and the id to continue after (`None`: done).
+    /// One page of a place's records, at most `limit`, from `cursor` (empty:
+    /// the start), and the cursor of the next page (`None`: done). `after`,
+    /// the old contract's product id, is refused when set.
     pub async fn page(
         &self,
         brand: i64,
         place: i64,
+        cursor: &str,
         after: &str,
         limit: usize,
     ) -> Result<(Vec<Record>, Option<String>), ReadError> {
@@ -147,12 +156,17 @@ impl ReadApi {
         if limit == 0 || limit > max {
             return Err(ReadError::BadRequest(format!("limit must be 1 to {max}, got {limit}")));
         }
-        if after.len() > 512 {
+        if !after.is_empty() {
             return Err(ReadError::BadRequest(
-                "`after` is not a product id (over 512 bytes)".into(),
+                "`after` (a product id) is no longer supported: pages follow an opaque `cursor`; \
+                 start without one and pass each page's `next_cursor`"
+                    .into(),
             ));
         }
-        Ok(self.store.page(self.partitions(), brand, place, after, limit).await?)
+        match self.store.page(self.partitions(), brand, place, cursor, limit).await {
+            Err(StoreError::BadCursor(why)) => Err(ReadError::BadRequest(why)),
+            r => Ok(r?),
+        }
     }
 
     /// The outcomes of an import's sweeps of some places, or every sweep
@@ -269,10 +283,11 @@ impl ReadApi {
                 .map(|(records, missing)| ReadReply { records, missing, ..Default::default() }),
             _ => {
                 let limit = if req.limit == 0 { 100 } else { req.limit as usize };
-                self.page(req.brand_id, req.place_id, &req.after, limit).await.map(
+                self.page(req.brand_id, req.place_id, &req.cursor, &req.after, limit).await.map(
                     |(records, next)| ReadReply {
                         records,
-                        next_after: next.unwrap_or_default(),
+                        next_after: next.as_ref().map_or("", |_| OLD_CONTRACT_NEXT).into(),
+                        next_cursor: next.unwrap_or_default(),
                         ..Default::default()
                     },
                 )
@@ -404,8 +419,15 @@ async fn http_batch(
     Ok(Json(json!({ "records": records, "missing": missing })).into_response())
 }
 
+/// `next_after` while pages remain: what a client of the old contract
+/// (pages after a product id) passes back as `after`, to be refused with a
+/// pointer to `cursor`.
+const OLD_CONTRACT_NEXT: &str = "(use next_cursor)";
+
 #[derive(Deserialize)]
 struct PageQuery {
+    #[serde(default)]
+    cursor: Option<String>,
     #[serde(default)]
     after: Option<String>,
     #[serde(default)]
@@ -424,7 +446,10 @@ async fn http_page(
             .parse::<usize>()
             .map_err(|_| ReadError::BadRequest("limit must be a non-negative integer".into()))?,
     };
-    let (records, next) = api.page(b, p, q.after.as_deref().unwrap_or(""), limit).await?;
+    let (cursor, after) = (q.cursor.as_deref().unwrap_or(""), q.after.as_deref().unwrap_or(""));
+    let (records, next) = api.page(b, p, cursor, after, limit).await?;
     let records: Vec<_> = records.iter().map(record_to_json).collect();
-    Ok(Json(json!({ "records": records, "next_after": next })).into_response())
+    let old_next = next.as_ref().map(|_| OLD_CONTRACT_NEXT);
+    Ok(Json(json!({ "records": records, "next_cursor": next, "next_after": old_next }))
+        .into_response())
 }

@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
 use redis::Value;
-use shelfsync_proto::{CommandBatch, Record, SweepOutcome};
+use shelfsync_proto::{CommandBatch, SweepOutcome};
 
-use super::{Column, RedisConn, hmget_place};
+use super::{Column, RedisConn, hmget_place, stored_bytes};
 use super::{Commit, Fence, Keys, Loaded, Position, Store, StoreError, StreamBinding, Writes};
 use crate::apply::{Key, Slot, Touch, touched, touched_set};
 
@@ -22,8 +22,8 @@ const HELD_TOUCHED_TTL_MS: u64 = 30 * 24 * 3600 * 1000;
 
 /// The interpreter of a list of writes, shared by [`COMMIT_LUA`] and
 /// the purges. From ARGV[i] on, each write is `op key-index count
-/// args...`. `CHSET` and `CHDEL` are `HSET` and `HDEL` on a place's records
-/// or generations: their first two args are the key indices of the place's
+/// args...`. `CHSET` and `CHDEL` are `HSET` and `HDEL` on a place's records:
+/// their first two args are the key indices of the place's
 /// frozen marker and of its frozen hash, and while the marker exists, the
 /// value each field had before its first write since the freeze is kept
 /// there (`=`value, or `-` when it had none): copy on write, so a freeze is
@@ -157,8 +157,7 @@ impl CommitOps {
         self.op_with(op, key, &[], args, stride);
     }
 
-    /// `HSET` (stride 2) or `HDEL` (stride 1) on a place's records or
-    /// generations, keeping the frozen values while a keyframe has the place
+    /// `HSET` (stride 2) or `HDEL` (stride 1) on a place's records, keeping the frozen values while a keyframe has the place
     /// frozen (`CHSET`/`CHDEL` of [`OPS_LUA`]).
     pub(super) fn kept_op(
         &mut self,
@@ -218,29 +217,19 @@ impl CommitOps {
     }
 }
 
-/// The writes of dirty slots: records, generations, the id, tombstone and
-/// absent indexes, and the place list.
+/// The writes of dirty slots: records (their generations inside), the
+/// tombstone and absent indexes, and the place list.
 fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
     let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-    let mut ids: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
-    let mut gens: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
     let (mut tombstones, mut absent) = (IndexWrites::default(), IndexWrites::default());
     for ((b, p, id), slot) in slots {
-        if slot.record_dirty
+        // A new generation alone rewrites the record too: it is stored in it.
+        if (slot.record_dirty || slot.gen_dirty)
             && let Some(r) = &slot.record
         {
-            let stored = Record { key: None, generation: 0, ..r.clone() };
             let v = records.entry((*b, *p)).or_default();
             v.push(id.as_bytes().to_vec());
-            v.push(stored.encode_to_vec());
-            let v = ids.entry((*b, *p)).or_default();
-            v.push(b"0".to_vec());
-            v.push(id.as_bytes().to_vec());
-        }
-        if slot.gen_dirty {
-            let v = gens.entry((*b, *p)).or_default();
-            v.push(id.as_bytes().to_vec());
-            v.push(slot.gen_entry().encode().into_bytes());
+            v.push(stored_bytes(r, slot.generation));
         }
         let member = || format!("{b}:{p}:{id}").into_bytes();
         let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
@@ -252,13 +241,6 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
         new_places.push(format!("{b}:{p}").into_bytes());
         let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
         ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
-    }
-    for ((b, p), args) in gens {
-        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_gens(b, p));
-        ops.kept_op(&keys.gens(b, p), &marker, &frozen, args, 2);
-    }
-    for ((b, p), args) in ids {
-        ops.op("ZADD", &keys.ids(b, p), args, 2);
     }
     ops.op("SADD", &keys.places(), new_places, 1);
     tombstones.write(ops, &keys.tombstones());
@@ -337,8 +319,8 @@ fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
 
 impl Store {
     /// Reads where the partition stands and every record the batch's
-    /// commands touch: one HMGET per place for records and one for
-    /// generations. Sweeps are not loaded here (see `crate::worker::sweep`).
+    /// commands touch: one HMGET per place (generations are in the record
+    /// bytes). Sweeps are not loaded here (see `crate::worker::sweep`).
     pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
         let (touched_keys, _) = touched(batch);
@@ -360,8 +342,7 @@ impl Store {
         loaded.at.step = redis::from_redis_value::<Option<String>>(next())?.unwrap_or_default();
         for ((b, p), ids) in by_place {
             let recs: Column = redis::from_redis_value(next())?;
-            let gens: Column = redis::from_redis_value(next())?;
-            let slots = self.slots_of(&keys, b, p, &ids, recs, gens)?;
+            let slots = self.slots_of(&keys, b, p, &ids, recs)?;
             for (id, slot) in ids.into_iter().zip(slots) {
                 loaded.slots.insert((b, p, id), slot);
             }

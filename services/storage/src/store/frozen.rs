@@ -42,7 +42,6 @@ impl Store {
             .get(keys.seq())
             .cmd("UNLINK")
             .arg(keys.frozen_records(brand_id, place_id))
-            .arg(keys.frozen_gens(brand_id, place_id))
             .ignore()
             .cmd("SET")
             .arg(keys.frozen_marker(brand_id, place_id))
@@ -70,7 +69,6 @@ impl Store {
         let _: () = redis::cmd("UNLINK")
             .arg(keys.frozen_marker(brand_id, place_id))
             .arg(keys.frozen_records(brand_id, place_id))
-            .arg(keys.frozen_gens(brand_id, place_id))
             .query_async(&mut conn)
             .await?;
         Ok(())
@@ -109,7 +107,7 @@ impl Store {
             ids.iter()
                 .zip(col)
                 .map(|(id, raw)| {
-                    Ok(self.slot(&keys, brand_id, place_id, id, raw.as_deref(), None)?.record)
+                    Ok(self.slot(&keys, brand_id, place_id, id, raw.as_deref())?.record)
                 })
                 .collect()
         };
@@ -147,35 +145,20 @@ impl Store {
         if flat.is_empty() {
             return Ok((next, Vec::new()));
         }
-        // Read after the step, and still as frozen: a record or generation
-        // written since the step has its frozen value kept by then, and a
-        // kept value never changes.
+        // Read after the step, and still as frozen: a record written since
+        // the step has its frozen value kept by then (its generation inside),
+        // and a kept value never changes.
         let ids: Vec<&[u8]> = flat.chunks_exact(2).map(|pair| pair[0].as_slice()).collect();
-        let mut conn = self.conn.clone();
-        let (gens, kept_recs, kept_gens): (Column, Column, Column) = redis::pipe()
-            .cmd("HMGET")
-            .arg(keys.gens(brand_id, place_id))
-            .arg(&ids)
-            .cmd("HMGET")
-            .arg(&frozen)
-            .arg(&ids)
-            .cmd("HMGET")
-            .arg(keys.frozen_gens(brand_id, place_id))
-            .arg(&ids)
-            .query_async(&mut conn)
-            .await?;
+        let kept_recs: Column = self.query(redis::cmd("HMGET").arg(&frozen).arg(&ids)).await?;
         let mut out = Vec::with_capacity(flat.len() / 2);
-        let fields = flat.chunks_exact(2).zip(gens).zip(kept_recs).zip(kept_gens);
-        for (((pair, generation), kept_rec), kept_gen) in fields {
+        for (pair, kept_rec) in flat.chunks_exact(2).zip(kept_recs) {
             let id = String::from_utf8_lossy(&pair[0]).into_owned();
             // As frozen: the kept value if the record was written since.
             let Some(bytes) = frozen_value(kept_rec).unwrap_or_else(|| Some(pair[1].clone()))
             else {
                 continue;
             };
-            let generation = frozen_value(kept_gen).unwrap_or(generation);
-            let slot =
-                self.slot(&keys, brand_id, place_id, &id, Some(&bytes), generation.as_deref())?;
+            let slot = self.slot(&keys, brand_id, place_id, &id, Some(&bytes))?;
             out.extend(full_record(brand_id, place_id, id, slot));
         }
         Ok((next, out))

@@ -14,8 +14,25 @@ impl Keys {
     pub fn records(&self, brand: i64, place: i64) -> String {
         format!("{}:r:{brand}:{place}", self.tag)
     }
-    pub fn gens(&self, brand: i64, place: i64) -> String {
+    /// The layout version the partition's keys are in (see `upgrade`).
+    pub fn layout(&self) -> String {
+        format!("{}:layout", self.tag)
+    }
+    /// Layout 1 (before the generation moved into the record bytes): a
+    /// place's generations, product_id → generation and flag. Read only by
+    /// the upgrade, which removes it.
+    pub fn legacy_gens(&self, brand: i64, place: i64) -> String {
         format!("{}:g:{brand}:{place}", self.tag)
+    }
+    /// Layout 1: a place's product ids in order (paged reads), removed by the
+    /// upgrade.
+    pub fn legacy_ids(&self, brand: i64, place: i64) -> String {
+        format!("{}:ids:{brand}:{place}", self.tag)
+    }
+    /// Layout 1: the frozen values of a place's generations, removed by the
+    /// upgrade.
+    pub fn legacy_frozen_gens(&self, brand: i64, place: i64) -> String {
+        format!("{}:kfo:g:{brand}:{place}", self.tag)
     }
     pub fn seq(&self) -> String {
         format!("{}:seq", self.tag)
@@ -51,14 +68,11 @@ impl Keys {
     pub fn touched(&self, brand: i64, place: i64, generation: i64) -> String {
         format!("{}:t:{brand}:{place}:{generation}", self.tag)
     }
-    pub fn ids(&self, brand: i64, place: i64) -> String {
-        format!("{}:ids:{brand}:{place}", self.tag)
-    }
     pub fn keyframes(&self, brand: i64, place: i64) -> String {
         format!("{}:kf:{brand}:{place}", self.tag)
     }
     /// Exists while a keyframe has the place frozen: every write to the
-    /// place's records or generations then keeps the value it replaces.
+    /// place's records then keeps the value it replaces.
     pub fn frozen_marker(&self, brand: i64, place: i64) -> String {
         format!("{}:kfm:{brand}:{place}", self.tag)
     }
@@ -66,9 +80,5 @@ impl Keys {
     /// (copy on write; dropped once the keyframe is published).
     pub fn frozen_records(&self, brand: i64, place: i64) -> String {
         format!("{}:kfo:r:{brand}:{place}", self.tag)
-    }
-    /// The same for the place's generations.
-    pub fn frozen_gens(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfo:g:{brand}:{place}", self.tag)
     }
 }

@@ -6,8 +6,8 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `{ns:pN}:r:<brand>:<place>` | hash | product_id → `Record` bytes (no key, no generation) |
-//! | `{ns:pN}:g:<brand>:<place>` | hash | product_id → generation + absent/deleted flag |
+//! | `{ns:pN}:r:<brand>:<place>` | hash | product_id → `Record` bytes (no key; the generation and the absent/deleted flags inside) |
+//! | `{ns:pN}:layout` | string | the layout version of the partition's keys (`upgrade`): `2` |
 //! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
 //! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
 //! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
@@ -19,23 +19,29 @@
 //! | `{ns:pN}:dead` | list | `OutboxEntry` bytes that could not be published at all (the last 1000) |
 //! | `{ns:pN}:t:<brand>:<place>:<generation>` | string | ids the full import of that generation carried to the place (`apply::touched_set`); deleted when its sweep is applied, else expiring |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
-//! | `{ns:pN}:ids:<brand>:<place>` | zset | product ids of the place (score 0: ordered pages) |
 //! | `{ns:pN}:kf:<brand>:<place>` | list | first KEYFRAMES stream sequence of each kept keyframe |
 //! | `{ns:pN}:kfm:<brand>:<place>` | string | set while a keyframe has the place frozen |
 //! | `{ns:pN}:kfo:r:<brand>:<place>` | hash | while frozen: product_id → `=`record bytes as frozen, or `-` (absent) |
-//! | `{ns:pN}:kfo:g:<brand>:<place>` | hash | the same for generations |
 //!
-//! Generations live apart from records so that a sweep's census reads small
-//! entries. A full import stamps its generation only on the records it
-//! writes; the ids it carried go to the place's touched set, one `APPEND`
-//! per place and commit, so an identical re-import writes no record field.
+//! One hash field per record, and nothing else per record: the generation
+//! (start time of the last full import that wrote the record) is the
+//! `Record`'s own field 4, stored with it. A full import stamps it only on
+//! the records it writes; the ids it carried go to the place's touched set,
+//! one `APPEND` per place and commit, so an identical re-import writes no
+//! record field. A sweep's census scans the records hash and reads the
+//! generation and flags off the wire ([`gen_entry_of`]) without decoding the
+//! record. Reads of a whole place page with `HSCAN` of the same hash (no
+//! order). Layout 1 kept the generations in a hash of their own
+//! (`:g:<brand>:<place>`, and `:kfo:g:` while frozen) and the ids in a zset
+//! (`:ids:<brand>:<place>`, for ordered pages): `upgrade` moves a partition
+//! from it once, when storage binds the partition.
 //!
 //! The store is split by concern, each child adding an `impl Store` block:
 //! [`keys`] (the names above), `commit` (the Lua interpreter of writes, the
 //! atomic commit, loads and the stream binding), `outbox` (peek, trim, dead
 //! letters, redrive), `sweeps` (census scans, touched sets, held sweeps,
-//! outcomes, purges), `reads` (records for other tools) and `frozen` (the copy
-//! on write of keyframes).
+//! outcomes, purges), `reads` (records for other tools, pages), `frozen` (the
+//! copy on write of keyframes) and `upgrade` (from layout 1).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -53,9 +59,11 @@ mod keys;
 mod outbox;
 mod reads;
 mod sweeps;
+mod upgrade;
 
 pub use keys::Keys;
 pub use outbox::OUTBOX_PEEK;
+pub use upgrade::LAYOUT;
 
 /// The connection type lives in `shelfsync-redis` (shared with ingest and the
 /// aggregator); re-exported so `shelfsync_storage::RedisConn` keeps working.
@@ -70,6 +78,9 @@ pub enum StoreError {
     Reply(#[from] redis::ParsingError),
     #[error("stored data is corrupt at {key}: {detail}")]
     Corrupt { key: String, detail: String },
+    /// A page cursor that no page handed out.
+    #[error("{0}")]
+    BadCursor(String),
 }
 
 impl StoreError {
@@ -78,7 +89,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Redis(e) => shelfsync_redis::is_transient(e),
-            StoreError::Corrupt { .. } | StoreError::Reply(_) => false,
+            StoreError::Corrupt { .. } | StoreError::Reply(_) | StoreError::BadCursor(_) => false,
         }
     }
 
@@ -201,7 +212,7 @@ impl Store {
     }
 
     /// Some records of one place with their generations, as slots in the
-    /// order of `ids`: the paired `HMGET` of records and generations.
+    /// order of `ids`: one `HMGET` of the place's records.
     async fn read_slots(
         &self,
         keys: &Keys,
@@ -212,8 +223,8 @@ impl Store {
         let mut pipe = redis::pipe();
         hmget_place(&mut pipe, keys, brand_id, place_id, ids);
         let mut conn = self.conn.clone();
-        let (recs, gens): (Column, Column) = pipe.query_async(&mut conn).await?;
-        self.slots_of(keys, brand_id, place_id, ids, recs, gens)
+        let (recs,): (Column,) = pipe.query_async(&mut conn).await?;
+        self.slots_of(keys, brand_id, place_id, ids, recs)
     }
 
     /// Decodes what [`hmget_place`] read: one slot per id, in order.
@@ -224,17 +235,12 @@ impl Store {
         p: i64,
         ids: &[String],
         recs: Column,
-        gens: Column,
     ) -> Result<Vec<Slot>, StoreError> {
-        ids.iter()
-            .zip(recs)
-            .zip(gens)
-            .map(|((id, rec), generation)| {
-                self.slot(keys, b, p, id, rec.as_deref(), generation.as_deref())
-            })
-            .collect()
+        ids.iter().zip(recs).map(|(id, rec)| self.slot(keys, b, p, id, rec.as_deref())).collect()
     }
 
+    /// A slot of stored record bytes: the generation moves from the record
+    /// to the slot (the slot's record carries none, as apply expects).
     fn slot(
         &self,
         keys: &Keys,
@@ -242,24 +248,68 @@ impl Store {
         p: i64,
         id: &str,
         rec: Option<&[u8]>,
-        generation: Option<&[u8]>,
     ) -> Result<Slot, StoreError> {
-        let record = match rec {
-            Some(bytes) => Some(
-                Record::decode(bytes)
-                    .map_err(|e| StoreError::corrupt(&format!("{} {id}", keys.records(b, p)), e))?,
-            ),
-            None => None,
-        };
-        let generation = generation.and_then(GenEntry::decode).map_or(0, |g| g.generation);
-        Ok(Slot { record, generation, ..Default::default() })
+        let Some(bytes) = rec else { return Ok(Slot::default()) };
+        let mut record = Record::decode(bytes)
+            .map_err(|e| StoreError::corrupt(&format!("{} {id}", keys.records(b, p)), e))?;
+        let generation = std::mem::take(&mut record.generation);
+        Ok(Slot { record: Some(record), generation, ..Default::default() })
     }
 }
 
-/// Adds the paired `HMGET` of a place's records and generations to `pipe`.
+/// Adds the `HMGET` of some of a place's records to `pipe`.
 fn hmget_place(pipe: &mut redis::Pipeline, keys: &Keys, b: i64, p: i64, ids: &[String]) {
     pipe.cmd("HMGET").arg(keys.records(b, p)).arg(ids);
-    pipe.cmd("HMGET").arg(keys.gens(b, p)).arg(ids);
+}
+
+/// The bytes a record is stored as: no key, its generation inside.
+fn stored_bytes(record: &Record, generation: i64) -> Vec<u8> {
+    Record { key: None, generation, ..record.clone() }.encode_to_vec()
+}
+
+/// The generation entry of stored record bytes, read off the wire without
+/// decoding the record: fields 4 (generation), 5 (absent) and 6 (deleted),
+/// the last occurrence of a field winning as in protobuf. `None`: not a
+/// protobuf message.
+pub(crate) fn gen_entry_of(bytes: &[u8]) -> Option<GenEntry> {
+    let mut buf = bytes;
+    let mut e = GenEntry::default();
+    while !buf.is_empty() {
+        let key = varint(&mut buf)?;
+        match key & 7 {
+            0 => {
+                let v = varint(&mut buf)?;
+                match key >> 3 {
+                    4 => e.generation = v as i64,
+                    5 => e.absent = v != 0,
+                    6 => e.deleted = v != 0,
+                    _ => {}
+                }
+            }
+            1 => buf = buf.get(8..)?,
+            2 => {
+                let n = usize::try_from(varint(&mut buf)?).ok()?;
+                buf = buf.get(n..)?;
+            }
+            5 => buf = buf.get(4..)?,
+            _ => return None,
+        }
+    }
+    Some(e)
+}
+
+/// A protobuf varint off the front of `buf`.
+fn varint(buf: &mut &[u8]) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let (&b, rest) = buf.split_first()?;
+        *buf = rest;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
 }
 
 /// A slot's record as storage hands it out: key and generation filled in
@@ -274,4 +324,35 @@ fn decode_entries(key: &str, raw: &[Vec<u8>]) -> Result<Vec<OutboxEntry>, StoreE
     raw.iter()
         .map(|b| OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::corrupt(key, e)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_generation_entry_is_read_off_the_stored_bytes_as_decoding_would() {
+        let base = Record {
+            data: vec![0x0a, 3, b'a', b'b', b'c'],
+            state: vec![8, 1],
+            created_at: 1,
+            updated_at: 1_764_000_000_000_123,
+            ..Default::default()
+        };
+        for generation in [0, 1, 1_764_000_000_000_000, i64::MAX, -5] {
+            for (absent, deleted) in [(false, false), (true, false), (false, true)] {
+                let r = Record { absent, deleted, ..base.clone() };
+                let bytes = stored_bytes(&r, generation);
+                let e = gen_entry_of(&bytes).expect("decodes");
+                assert_eq!(e, GenEntry { generation, absent, deleted }, "{r:?}");
+                let decoded = Record::decode(bytes.as_slice()).expect("decodes");
+                assert_eq!(decoded.generation, generation);
+            }
+        }
+        assert_eq!(gen_entry_of(&[]), Some(GenEntry::default()));
+        // Cut in the middle of a field, or an unknown wire type: not a record.
+        let bytes = stored_bytes(&base, 7);
+        assert_eq!(gen_entry_of(&bytes[..3]), None);
+        assert_eq!(gen_entry_of(&[0x27]), None);
+    }
 }

@@ -1,5 +1,5 @@
 //! What sweeps and purges read and remove: census scans of a place's
-//! generations, the touched sets full imports leave, held sweeps and the
+//! records (their generations), the touched sets full imports leave, held sweeps and the
 //! outcomes kept per import, and the fenced purge of old tombstones and the
 //! index of absent records.
 
@@ -10,12 +10,13 @@ use redis::Value;
 use shelfsync_proto::SweepOutcome;
 
 use super::commit::CommitOps;
-use super::{Column, Fence, Store, StoreError};
+use super::{Column, Fence, Store, StoreError, gen_entry_of};
 use crate::apply::{GenEntry, Key, touched_set};
 
 impl Store {
-    /// One HSCAN step over a place's generation column: up to about `count`
-    /// entries and the next cursor (0: done). An entry may come twice.
+    /// One HSCAN step over a place's records, read as generation entries
+    /// (generation and flags off the record bytes, not decoded): up to about
+    /// `count` entries and the next cursor (0: done). An entry may come twice.
     pub async fn scan_gens(
         &self,
         partition: u32,
@@ -24,16 +25,15 @@ impl Store {
         cursor: u64,
         count: usize,
     ) -> Result<(u64, Vec<(String, GenEntry)>), StoreError> {
-        let key = self.keys(partition).gens(brand_id, place_id);
+        let key = self.keys(partition).records(brand_id, place_id);
         let (next, flat): (u64, Vec<Vec<u8>>) =
             self.query(redis::cmd("HSCAN").arg(&key).arg(cursor).arg("COUNT").arg(count)).await?;
         let mut out = Vec::with_capacity(flat.len() / 2);
         for pair in flat.chunks_exact(2) {
             let id =
                 String::from_utf8(pair[0].clone()).map_err(|e| StoreError::corrupt(&key, e))?;
-            let entry = GenEntry::decode(&pair[1]).ok_or_else(|| {
-                StoreError::corrupt(&key, format!("bad generation entry for {id}"))
-            })?;
+            let entry = gen_entry_of(&pair[1])
+                .ok_or_else(|| StoreError::corrupt(&key, format!("bad record bytes for {id}")))?;
             out.push((id, entry));
         }
         Ok((next, out))
@@ -108,8 +108,8 @@ impl Store {
         if members.is_empty() {
             return Ok(Some(0));
         }
-        // One HDEL per place and hash, keeping frozen values (a keyframe may
-        // have the place frozen), all in one atomic step.
+        // One HDEL per place, keeping frozen values (a keyframe may have the
+        // place frozen), all in one atomic step.
         let mut by_place: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
         for (b, p, id) in members.iter().filter_map(|m| parse_member(m)) {
             by_place.entry((b, p)).or_default().push(id.as_bytes().to_vec());
@@ -117,9 +117,7 @@ impl Store {
         let mut ops = CommitOps::new(&keys, fence, &fence.at);
         for ((b, p), ids) in by_place {
             let marker = keys.frozen_marker(b, p);
-            ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids.clone(), 1);
-            ops.kept_op(&keys.gens(b, p), &marker, &keys.frozen_gens(b, p), ids.clone(), 1);
-            ops.op("ZREM", &keys.ids(b, p), ids, 1);
+            ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids, 1);
         }
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);

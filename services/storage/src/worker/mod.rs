@@ -236,6 +236,17 @@ impl Worker {
                         return Ok(Err((identity, recorded)));
                     }
                 }
+                // A partition written by an older version: its layout first.
+                match self.store.upgrade_layout(self.partition.0).await? {
+                    Some(0) => {}
+                    Some(moved) => info!(
+                        partition = %self.partition, moved, layout = crate::store::LAYOUT,
+                        "partition upgraded to this version's Redis layout"
+                    ),
+                    None => anyhow::bail!(
+                        "layout upgrade fenced: another owner applied a message meanwhile"
+                    ),
+                }
                 let messages = shelfsync_bus::pull_messages(&consumer).await?;
                 anyhow::Ok(Ok((stream, messages, identity)))
             };
