@@ -221,7 +221,7 @@ impl Target {
             let store = shelfsync_storage::Store::connect(&self.settings.redis).await?;
             for p in 0..self.settings.storage.partitions {
                 let deadline = Instant::now() + Duration::from_secs(30);
-                while store.outbox_len(p).await? > 0 {
+                while store.outbox_len(shelfsync_bus::Partition(p)).await? > 0 {
                     if Instant::now() > deadline {
                         bail!("the outbox of partition {p} did not drain");
                     }

@@ -176,7 +176,7 @@ fn count(ctx: &Ctx, batch: &CommandBatch) {
 
 async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow::Result<()> {
     let batch = CommandBatch::decode(payload)?;
-    let keys = Keys::new(&ctx.settings.redis.namespace, partition.0);
+    let keys = Keys::new(&ctx.settings.redis.namespace, partition);
     let places = by_place(&batch);
     let mut read = redis::pipe();
     for ((b, p), cmds) in &places {
@@ -232,7 +232,7 @@ async fn naive_batch(
     publisher: &mut Publisher,
 ) -> anyhow::Result<()> {
     let batch = CommandBatch::decode(payload)?;
-    let keys = Keys::new(&ctx.settings.redis.namespace, partition.0);
+    let keys = Keys::new(&ctx.settings.redis.namespace, partition);
     let places = by_place(&batch);
     let now = chrono::Utc::now().timestamp_micros();
     // Rewrite every record of the batch, its generation inside.

@@ -938,7 +938,7 @@ async fn outbox_dead_letters_are_shown_and_redriven() -> anyhow::Result<()> {
         ..Default::default()
     };
     let store = shelfsync_storage::Store::connect(&settings(&env).redis).await?;
-    store.outbox_bury(1, &entry).await?;
+    store.outbox_bury(shelfsync_bus::Partition(1), &entry).await?;
 
     let listed = json_lines(&ok(&env, &["dead-letters", "--json"]).await?)?;
     assert_eq!(listed.len(), 1, "{listed:?}");

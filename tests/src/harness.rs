@@ -113,7 +113,7 @@ impl Harness {
             _ => return false,
         }
         for p in 0..self.settings.storage.partitions {
-            if self.store.outbox_len(p).await.map_or(true, |n| n > 0) {
+            if self.store.outbox_len(Partition(p)).await.map_or(true, |n| n > 0) {
                 return false;
             }
         }

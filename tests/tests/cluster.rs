@@ -456,7 +456,7 @@ async fn storage_on_redis_cluster_keeps_each_batch_on_one_slot() {
                 .unwrap_or_else(|| panic!("key {k} has no partition tag"));
             assert_eq!(
                 shelfsync_redis::key_slot(k.as_bytes()),
-                shelfsync_redis::key_slot(Keys::new(ns, p).seq().as_bytes()),
+                shelfsync_redis::key_slot(Keys::new(ns, Partition(p)).seq().as_bytes()),
                 "{k}"
             );
         }
@@ -653,24 +653,25 @@ async fn overlapping_owners_are_fenced_and_duplicate_nothing() {
     fence_cfg.namespace = format!("{}-fence", settings.redis.namespace);
     let (a, b) =
         (Store::connect(&fence_cfg).await.unwrap(), Store::connect(&fence_cfg).await.unwrap());
+    const P0: Partition = Partition(0);
     let commit = |store: &Store, from: u64, to: u64| {
         let (store, outbox) = (store.clone(), outbox_entries(to));
         async move {
             let fence = Fence { at: Position::at(from), stream: String::new() };
             let writes = Writes { outbox: &outbox, ..Default::default() };
-            store.commit(0, &fence, &Position::at(to), &writes).await.unwrap()
+            store.commit(P0, &fence, &Position::at(to), &writes).await.unwrap()
         }
     };
     assert_eq!(commit(&a, 0, 5).await, Commit::Done);
     assert_eq!(commit(&b, 0, 6).await, Commit::Fenced);
-    assert_eq!((a.applied_seq(0).await.unwrap(), a.outbox_len(0).await.unwrap()), (5, 2));
-    assert_eq!(a.outbox_peek(0, 256).await.unwrap().len(), 2);
-    assert_eq!(b.outbox_peek(0, 256).await.unwrap().len(), 2);
-    b.outbox_trim(0, 2).await.unwrap();
+    assert_eq!((a.applied_seq(P0).await.unwrap(), a.outbox_len(P0).await.unwrap()), (5, 2));
+    assert_eq!(a.outbox_peek(P0, 256).await.unwrap().len(), 2);
+    assert_eq!(b.outbox_peek(P0, 256).await.unwrap().len(), 2);
+    b.outbox_trim(P0, 2).await.unwrap();
     assert_eq!(commit(&b, 5, 7).await, Commit::Done);
-    a.outbox_trim(0, 2).await.unwrap(); // stale: its two entries are gone already
+    a.outbox_trim(P0, 2).await.unwrap(); // stale: its two entries are gone already
     let left: Vec<String> =
-        a.outbox_peek(0, 256).await.unwrap().into_iter().map(|e| e.msg_id).collect();
+        a.outbox_peek(P0, 256).await.unwrap().into_iter().map(|e| e.msg_id).collect();
     assert_eq!(left, ["chg:0:7:0", "chg:0:7:1"], "a stale trim must not drop unpublished entries");
 
     // Three processes at once: two think they own every partition, one runs
@@ -922,7 +923,7 @@ async fn stuck_partitions(h: &Harness) -> String {
             Ok(_) => {}
             Err(e) => out.push(format!("p{p}: {e}")),
         }
-        if let Ok(n) = h.store.outbox_len(p).await
+        if let Ok(n) = h.store.outbox_len(Partition(p)).await
             && n > 0
         {
             out.push(format!("p{p}: outbox {n}"));

@@ -35,7 +35,7 @@ async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
         h.send(vec![price_patch(place, &format!("sku-{i}"), 100)]).await.expect("send");
     }
     h.wait_settled().await;
-    assert_eq!(h.store.applied_seq(p.0).await.expect("redis"), 10);
+    assert_eq!(h.store.applied_seq(p).await.expect("redis"), 10);
 
     // The stream is deleted and created again: its sequences start at 1.
     h.js.delete_stream(h.subjects.cmd_stream()).await.expect("delete");
@@ -63,7 +63,7 @@ async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
         let r = h.get(BRAND, place, &format!("sku-{i}")).await.expect("get").expect("record");
         assert_eq!(decode_product(&r.data).price, Some(200), "applied after the re-base");
     }
-    assert_eq!(h.store.applied_seq(p.0).await.expect("redis"), 3, "counts in the new stream");
+    assert_eq!(h.store.applied_seq(p).await.expect("redis"), 3, "counts in the new stream");
 }
 
 #[tokio::test]
@@ -166,15 +166,15 @@ async fn a_purge_on_a_stale_position_writes_nothing() {
     h.send(vec![delete]).await.expect("send");
     h.wait_settled().await;
     storage.stop().await.expect("stop");
-    let applied = h.store.applied_seq(p.0).await.expect("redis");
+    let applied = h.store.applied_seq(p).await.expect("redis");
     let far_future = now_us() + 10 * 3600 * 1_000_000;
     // A stale owner: the position it read is not where the partition stands.
     let stale = Fence { at: Position::at(applied - 1), stream: String::new() };
-    let purged = h.store.purge_tombstones(p.0, &stale, far_future, 1000).await.expect("redis");
+    let purged = h.store.purge_tombstones(p, &stale, far_future, 1000).await.expect("redis");
     assert_eq!(purged, None, "fenced");
     assert!(h.get(BRAND, place, "gone").await.expect("get").is_some(), "the tombstone is still there");
     let current = Fence { at: Position::at(applied), stream: String::new() };
-    let purged = h.store.purge_tombstones(p.0, &current, far_future, 1000).await.expect("redis");
+    let purged = h.store.purge_tombstones(p, &current, far_future, 1000).await.expect("redis");
     assert_eq!(purged, Some(1));
     assert!(h.get(BRAND, place, "gone").await.expect("get").is_none(), "purged");
 }

@@ -207,7 +207,7 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
         let ttl = h.settings.storage.tombstone_ttl.as_micros() as i64;
         assert_eq!(last.tombstone_cutoff, last.as_of - ttl);
         let partition = h.partition(BRAND, place).0;
-        assert_eq!(last.command_seq, h.store.applied_seq(partition).await.expect("redis"));
+        assert_eq!(last.command_seq, h.store.applied_seq(shelfsync_bus::Partition(partition)).await.expect("redis"));
 
         // The marker follows every change of the place, with the same numbers.
         let changes = place_changes(&h, BRAND, place).await;

@@ -466,7 +466,7 @@ async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
     h.send(full_import(&[1], 40, 2, |_, i| 1000 + i as i64)).await.unwrap();
     h.wait_settled().await;
     let p = h.partition(BRAND, 1);
-    let key = h.store.keys(p.0).touched(BRAND, 1, 2);
+    let key = h.store.keys(p).touched(BRAND, 1, 2);
     let mut conn = h.store.conn();
     let deleted: u64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
     assert_eq!(deleted, 1, "the import's touched set was there");
@@ -482,7 +482,7 @@ async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
     let batch = shelfsync_proto::CommandBatch { partition: p.0, sweeps: vec![sweep], ..Default::default() };
     h.send_batch(p, &batch).await.unwrap();
     h.wait_settled().await;
-    let held = h.store.held(p.0, BRAND, 1).await.unwrap().expect("held");
+    let held = h.store.held(p, BRAND, 1).await.unwrap().expect("held");
     assert_eq!((held.status.as_str(), held.reason.as_str()), ("held", "nothing_carried"));
     assert_eq!(held.candidates, 50, "without the set, every record looks left out");
     for i in 0..50 {
@@ -500,7 +500,7 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
-    let keys = h.store.keys(h.partition(BRAND, 1).0);
+    let keys = h.store.keys(h.partition(BRAND, 1));
     let (g0, g1, g2) = (500, 1_000, 2_000);
     // Recent, so that no purge of tombstones or absent records is due.
     let at = now_us();

@@ -358,7 +358,7 @@ async fn a_commands_baggage_outlives_a_crash_between_commit_and_relay() {
         .expect("storage");
     let status = crashed.wait_exit(SETTLE).await.expect("the failpoint");
     assert!(!status.success(), "{status:?}");
-    assert_eq!(h.store.outbox_len(p.0).await.expect("outbox"), 1, "the entry waits");
+    assert_eq!(h.store.outbox_len(p).await.expect("outbox"), 1, "the entry waits");
 
     // Another storage relays it at its start, outside any command's span:
     // what it publishes comes from the entry alone.

@@ -111,7 +111,7 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
             let store = store.clone();
             async move {
                 let entries = store
-                    .outbox_len(p)
+                    .outbox_len(Partition(p))
                     .await
                     .with_context(|| format!("cannot read the outbox of partition {p}"))?;
                 anyhow::Ok(OutboxDepth { partition: p, entries })

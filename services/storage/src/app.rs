@@ -317,7 +317,7 @@ async fn sample_gauges(
         }
         let mut depth = 0u64;
         for &p in &owned {
-            depth += store.outbox_len(p).await.unwrap_or(0);
+            depth += store.outbox_len(Partition(p)).await.unwrap_or(0);
         }
         metrics::outbox_depth(depth);
     }
@@ -482,7 +482,7 @@ async fn rebase_refused(
             reply.refused.push(p);
             continue;
         }
-        match store.rebase(p, &found, req.applied_seq).await {
+        match store.rebase(Partition(p), &found, req.applied_seq).await {
             Ok(()) => {
                 info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
                 reply.rebased.push(p);
@@ -527,7 +527,7 @@ async fn redrive_owned(
 ) -> RedriveReply {
     let mut reply = RedriveReply { replica, ..Default::default() };
     for &p in owned.iter().filter(|p| req.partitions.is_empty() || req.partitions.contains(p)) {
-        match store.redrive(p, &req.msg_ids).await {
+        match store.redrive(Partition(p), &req.msg_ids).await {
             Ok(n) => {
                 if n > 0 {
                     info!(partition = p, entries = n, "outbox entries put back by an operator");

@@ -36,7 +36,7 @@ use futures::StreamExt;
 use prost::Message;
 use serde::Deserialize;
 use serde_json::json;
-use shelfsync_bus::Subjects;
+use shelfsync_bus::{Partition, Subjects};
 use shelfsync_proto::json::record_to_json;
 use shelfsync_proto::{
     DeadEntriesReply, DeadEntriesRequest, DeadEntry, ReadReply, ReadRequest, Record, SweepsReply,
@@ -175,7 +175,7 @@ impl ReadApi {
         let mut reply = SweepsReply::default();
         if req.import_id.is_empty() {
             for p in 0..self.partitions() {
-                for o in self.store.held_all(p).await? {
+                for o in self.store.held_all(Partition(p)).await? {
                     let brand = o.sweep.as_ref().map_or(0, |s| s.brand_id);
                     if req.brand_id == 0 || brand == req.brand_id {
                         reply.outcomes.push(o);
@@ -195,7 +195,7 @@ impl ReadApi {
             by_partition.entry(p).or_default().push((req.brand_id, place));
         }
         for (p, places) in by_partition {
-            let found = self.store.sweep_outcomes(p, &req.import_id, &places).await?;
+            let found = self.store.sweep_outcomes(Partition(p), &req.import_id, &places).await?;
             for ((_, place), o) in places.into_iter().zip(found) {
                 match o {
                     Some(o) => reply.outcomes.push(o),
@@ -218,7 +218,7 @@ impl ReadApi {
         let mut reply = DeadEntriesReply::default();
         let mut size = 0;
         for p in 0..self.partitions() {
-            for mut entry in self.store.dead_entries(p, limit).await? {
+            for mut entry in self.store.dead_entries(Partition(p), limit).await? {
                 entry.payload.truncate(PAYLOAD_CUT);
                 size += entry.encoded_len() + 16;
                 if size > REPLY_MAX {

@@ -143,7 +143,7 @@ impl Relay {
     async fn relay_all(&mut self) -> Result<usize, RelayError> {
         let mut total = 0;
         loop {
-            let entries = self.store.outbox_peek(self.partition.0, OUTBOX_PEEK).await?;
+            let entries = self.store.outbox_peek(self.partition, OUTBOX_PEEK).await?;
             if entries.is_empty() {
                 self.uncertain = false;
                 return Ok(total);
@@ -205,7 +205,7 @@ impl Relay {
                 return Err(RelayError::AckLost);
             }
             failpoint::hit("after_outbox_publish");
-            self.store.outbox_trim(self.partition.0, entries.len()).await?;
+            self.store.outbox_trim(self.partition, entries.len()).await?;
             total += entries.len();
             self.stats.relayed(&entries, again);
         }
@@ -303,7 +303,7 @@ impl Relay {
     /// Keeps an entry that cannot be published aside, so that the partition
     /// moves on; logged once (the entry is trimmed right after).
     async fn bury(&mut self, e: &OutboxEntry, reason: &'static str) -> Result<(), RelayError> {
-        self.store.outbox_bury(self.partition.0, e).await?;
+        self.store.outbox_bury(self.partition, e).await?;
         self.refused.remove(&e.msg_id);
         self.too_large.remove(&e.msg_id);
         error!(

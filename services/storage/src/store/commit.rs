@@ -4,6 +4,7 @@
 //! writes nothing. The writes travel as a list interpreted by Lua
 //! ([`OPS_LUA`]), built by [`CommitOps`] and the write builders below.
 
+use shelfsync_bus::Partition;
 use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
@@ -321,7 +322,7 @@ impl Store {
     /// Reads where the partition stands and every record the batch's
     /// commands touch: one HMGET per place (generations are in the record
     /// bytes). Sweeps are not loaded here (see `crate::worker::sweep`).
-    pub async fn load(&self, partition: u32, batch: &CommandBatch) -> Result<Loaded, StoreError> {
+    pub async fn load(&self, partition: Partition, batch: &CommandBatch) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
         let (touched_keys, _) = touched(batch);
         let mut by_place: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
@@ -351,7 +352,7 @@ impl Store {
     }
 
     /// Where the partition stands.
-    pub async fn position(&self, partition: u32) -> Result<Position, StoreError> {
+    pub async fn position(&self, partition: Partition) -> Result<Position, StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
         let (applied, step): (Option<u64>, Option<String>) =
@@ -362,7 +363,7 @@ impl Store {
     /// Some records of one place with their generations, as slots.
     pub async fn load_place(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         ids: &[String],
@@ -378,7 +379,7 @@ impl Store {
     /// says that it counts in another one.
     pub async fn bind_stream(
         &self,
-        partition: u32,
+        partition: Partition,
         identity: &str,
     ) -> Result<StreamBinding, StoreError> {
         let mut conn = self.conn.clone();
@@ -402,7 +403,7 @@ impl Store {
     /// applied. A message half applied in steps starts over.
     pub async fn rebase(
         &self,
-        partition: u32,
+        partition: Partition,
         identity: &str,
         applied: u64,
     ) -> Result<(), StoreError> {
@@ -426,7 +427,7 @@ impl Store {
     /// `fence` says.
     pub async fn commit(
         &self,
-        partition: u32,
+        partition: Partition,
         fence: &Fence,
         to: &Position,
         writes: &Writes<'_>,
@@ -455,7 +456,7 @@ impl Store {
     }
 
     /// Keeps the outbox head a write read back, for the next peek.
-    pub(super) fn keep_head(&self, partition: u32, head: Value) -> Result<(), StoreError> {
+    pub(super) fn keep_head(&self, partition: Partition, head: Value) -> Result<(), StoreError> {
         let raw: Vec<Vec<u8>> = match head {
             Value::Nil => Vec::new(),
             v => redis::from_redis_value(v)?,
@@ -464,7 +465,7 @@ impl Store {
         self.read_with_write
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(partition, (now, raw));
+            .insert(partition.0, (now, raw));
         Ok(())
     }
 
@@ -479,7 +480,7 @@ impl Store {
     }
 
     /// The last applied command sequence of a partition.
-    pub async fn applied_seq(&self, partition: u32) -> Result<u64, StoreError> {
+    pub async fn applied_seq(&self, partition: Partition) -> Result<u64, StoreError> {
         let mut conn = self.conn.clone();
         let v: Option<u64> =
             redis::cmd("GET").arg(self.keys(partition).seq()).query_async(&mut conn).await?;

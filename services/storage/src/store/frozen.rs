@@ -3,6 +3,7 @@
 //! place as it was frozen however long its publishing takes; then the place
 //! is thawed and the keyframe's start recorded.
 
+use shelfsync_bus::Partition;
 use shelfsync_proto::Record;
 
 use super::{Column, Store, StoreError, full_record};
@@ -30,7 +31,7 @@ impl Store {
     /// [`Store::thaw_place`].
     pub async fn freeze_place(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         ttl: std::time::Duration,
@@ -58,7 +59,7 @@ impl Store {
     /// values, and the kept ones are dropped.
     pub async fn thaw_place(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
     ) -> Result<(), StoreError> {
@@ -78,7 +79,7 @@ impl Store {
     /// absent), in the order of `ids`.
     pub async fn frozen_and_live(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         ids: &[String],
@@ -123,7 +124,7 @@ impl Store {
     /// rehashed and across the two passes: callers dedupe.
     pub async fn scan_frozen(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         kept: bool,
@@ -169,7 +170,7 @@ impl Store {
     /// the place may be purged once more than `keep` are recorded.
     pub async fn keyframe_published(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         first_seq: u64,

@@ -1,6 +1,8 @@
 //! The names of a partition's Redis keys, in one place, so that the layout
 //! documented in the parent module is the layout written and read.
 
+use shelfsync_bus::Partition;
+
 /// Key names of one partition.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -8,7 +10,7 @@ pub struct Keys {
 }
 
 impl Keys {
-    pub fn new(namespace: &str, partition: u32) -> Self {
+    pub fn new(namespace: &str, partition: Partition) -> Self {
         Self { tag: format!("{{{namespace}:p{partition}}}") }
     }
     pub fn records(&self, brand: i64, place: i64) -> String {

@@ -43,6 +43,7 @@
 //! outcomes, purges), `reads` (records for other tools, pages), `frozen` (the
 //! copy on write of keyframes) and `upgrade` (from layout 1).
 
+use shelfsync_bus::Partition;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -196,7 +197,7 @@ impl Store {
         })
     }
 
-    pub fn keys(&self, partition: u32) -> Keys {
+    pub fn keys(&self, partition: Partition) -> Keys {
         Keys::new(&self.namespace, partition)
     }
 

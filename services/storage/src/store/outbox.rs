@@ -2,6 +2,7 @@
 //! before it), trim exactly what was published, and the dead letters kept
 //! aside for an operator, with their redrive.
 
+use shelfsync_bus::Partition;
 use prost::Message;
 use redis::Value;
 use shelfsync_proto::OutboxEntry;
@@ -48,12 +49,12 @@ impl Store {
     /// Up to `n` outbox entries from the head, oldest first.
     pub async fn outbox_peek(
         &self,
-        partition: u32,
+        partition: Partition,
         n: usize,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let key = self.keys(partition).outbox();
         let kept =
-            self.read_with_write.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition);
+            self.read_with_write.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition.0);
         let raw: Vec<Vec<u8>> = match kept {
             // As fresh as a peek: the worker relays right after its write.
             Some((at, mut head)) if n <= OUTBOX_PEEK && at.elapsed() < HEAD_FRESH => {
@@ -73,8 +74,8 @@ impl Store {
         let entries = decode_entries(&key, &raw)?;
         let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
         match raw.into_iter().last() {
-            Some(last) => peeked.insert(partition, (entries.len(), last)),
-            None => peeked.remove(&partition),
+            Some(last) => peeked.insert(partition.0, (entries.len(), last)),
+            None => peeked.remove(&partition.0),
         };
         Ok(entries)
     }
@@ -83,13 +84,13 @@ impl Store {
     /// partition returned, once they are published — only those, even if
     /// another process trimmed them meanwhile (see `TRIM_LUA`). Without such
     /// a peek, trims the first `n` of the list.
-    pub async fn outbox_trim(&self, partition: u32, n: usize) -> Result<(), StoreError> {
+    pub async fn outbox_trim(&self, partition: Partition, n: usize) -> Result<(), StoreError> {
         if n == 0 {
             return Ok(());
         }
         let last = {
             let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
-            peeked.remove(&partition).and_then(|(len, last)| (len == n).then_some(last))
+            peeked.remove(&partition.0).and_then(|(len, last)| (len == n).then_some(last))
         };
         let key = self.keys(partition).outbox();
         let mut conn = self.conn.clone();
@@ -113,14 +114,14 @@ impl Store {
         self.keep_head(partition, head)
     }
 
-    pub async fn outbox_len(&self, partition: u32) -> Result<u64, StoreError> {
+    pub async fn outbox_len(&self, partition: Partition) -> Result<u64, StoreError> {
         Ok(self.query(redis::cmd("LLEN").arg(self.keys(partition).outbox())).await?)
     }
 
     /// The newest `limit` outbox entries kept aside as unpublishable.
     pub async fn dead_entries(
         &self,
-        partition: u32,
+        partition: Partition,
         limit: usize,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let key = self.keys(partition).dead();
@@ -132,7 +133,7 @@ impl Store {
     /// Moves outbox entries kept aside back to the tail of the partition's
     /// outbox (all of them, or those with these message ids), in one
     /// atomic step; returns how many.
-    pub async fn redrive(&self, partition: u32, msg_ids: &[String]) -> Result<u64, StoreError> {
+    pub async fn redrive(&self, partition: Partition, msg_ids: &[String]) -> Result<u64, StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
         let raw: Vec<Vec<u8>> =
@@ -159,7 +160,11 @@ impl Store {
 
     /// Keeps an outbox entry that can never be published (for an operator
     /// to look at), bounded to the last [`DEAD_KEPT`].
-    pub async fn outbox_bury(&self, partition: u32, entry: &OutboxEntry) -> Result<(), StoreError> {
+    pub async fn outbox_bury(
+        &self,
+        partition: Partition,
+        entry: &OutboxEntry,
+    ) -> Result<(), StoreError> {
         let key = self.keys(partition).dead();
         let mut conn = self.conn.clone();
         let () = redis::pipe()

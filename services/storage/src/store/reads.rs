@@ -2,6 +2,7 @@
 //! holds them, with key and generation filled in, found by key, by place or
 //! in pages of a scan of a place's records.
 
+use shelfsync_bus::Partition;
 use std::collections::HashMap;
 
 use base64::Engine;
@@ -87,7 +88,7 @@ impl Store {
         brand_id: i64,
         place_id: i64,
     ) -> Result<Vec<Record>, StoreError> {
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
         let mut conn = self.conn.clone();
         let recs: HashMap<String, Vec<u8>> =
             redis::cmd("HGETALL").arg(keys.records(brand_id, place_id)).query_async(&mut conn).await?;
@@ -100,7 +101,7 @@ impl Store {
     }
 
     /// The places of a partition that ever held a record.
-    pub async fn places(&self, partition: u32) -> Result<Vec<(i64, i64)>, StoreError> {
+    pub async fn places(&self, partition: Partition) -> Result<Vec<(i64, i64)>, StoreError> {
         let raw: Vec<String> =
             self.query(redis::cmd("SMEMBERS").arg(self.keys(partition).places())).await?;
         let mut out: Vec<(i64, i64)> = raw
@@ -125,7 +126,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
         let slots = self.read_slots(&keys, brand_id, place_id, ids).await?;
         Ok(ids
             .iter()
@@ -152,7 +153,7 @@ impl Store {
         limit: usize,
     ) -> Result<(Vec<Record>, Option<String>), StoreError> {
         let mut at = PageCursor::parse(cursor)?;
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions).0);
+        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
         let key = keys.records(brand_id, place_id);
         let mut out = Vec::new();
         let now: Vec<String> = at.pending.drain(..at.pending.len().min(limit)).collect();

@@ -3,6 +3,7 @@
 //! outcomes kept per import, and the fenced purge of old tombstones and the
 //! index of absent records.
 
+use shelfsync_bus::Partition;
 use std::collections::{BTreeMap, HashSet};
 
 use prost::Message;
@@ -19,7 +20,7 @@ impl Store {
     /// `count` entries and the next cursor (0: done). An entry may come twice.
     pub async fn scan_gens(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         cursor: u64,
@@ -43,7 +44,7 @@ impl Store {
     /// committed (`None`: none kept, or expired).
     pub async fn touched(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
         generation: i64,
@@ -59,7 +60,7 @@ impl Store {
     /// The sweep held for a place, if any.
     pub async fn held(
         &self,
-        partition: u32,
+        partition: Partition,
         brand_id: i64,
         place_id: i64,
     ) -> Result<Option<SweepOutcome>, StoreError> {
@@ -70,7 +71,7 @@ impl Store {
     }
 
     /// Every sweep held in a partition.
-    pub async fn held_all(&self, partition: u32) -> Result<Vec<SweepOutcome>, StoreError> {
+    pub async fn held_all(&self, partition: Partition) -> Result<Vec<SweepOutcome>, StoreError> {
         let key = self.keys(partition).held();
         let raw: Vec<Vec<u8>> = self.query(redis::cmd("HVALS").arg(&key)).await?;
         raw.iter().map(|b| decode_outcome(&key, b)).collect()
@@ -80,7 +81,7 @@ impl Store {
     /// (`None`: not decided yet, or expired).
     pub async fn sweep_outcomes(
         &self,
-        partition: u32,
+        partition: Partition,
         import_id: &str,
         places: &[(i64, i64)],
     ) -> Result<Vec<Option<SweepOutcome>>, StoreError> {
@@ -98,7 +99,7 @@ impl Store {
     /// moves it). Runs in the partition's worker between messages.
     pub async fn purge_tombstones(
         &self,
-        partition: u32,
+        partition: Partition,
         fence: &Fence,
         cutoff_us: i64,
         limit: usize,
@@ -134,7 +135,7 @@ impl Store {
     /// Up to `limit` absent records that became absent before `cutoff_us`.
     pub async fn absent_due(
         &self,
-        partition: u32,
+        partition: Partition,
         cutoff_us: i64,
         limit: usize,
     ) -> Result<Vec<Key>, StoreError> {

@@ -15,6 +15,7 @@
 //! Until a partition is upgraded, readers of other replicas see its records
 //! not yet moved with generation 0.
 
+use shelfsync_bus::Partition;
 use prost::Message;
 use redis::Value;
 use shelfsync_proto::Record;
@@ -35,7 +36,7 @@ impl Store {
     /// their generation moved in, or `None` when a step was fenced (another
     /// owner applied a message meanwhile): nothing of that step was written,
     /// and the upgrade resumes when called again.
-    pub async fn upgrade_layout(&self, partition: u32) -> Result<Option<u64>, StoreError> {
+    pub async fn upgrade_layout(&self, partition: Partition) -> Result<Option<u64>, StoreError> {
         let keys = self.keys(partition);
         let layout: Option<String> = self.query(redis::cmd("GET").arg(keys.layout())).await?;
         if layout.as_deref() == Some(LAYOUT) {
@@ -54,7 +55,7 @@ impl Store {
 
     async fn upgrade_place(
         &self,
-        partition: u32,
+        partition: Partition,
         keys: &Keys,
         b: i64,
         p: i64,
@@ -100,7 +101,7 @@ impl Store {
     /// fenced commit (`None`: fenced, nothing written).
     async fn upgrade_step(
         &self,
-        partition: u32,
+        partition: Partition,
         keys: &Keys,
         b: i64,
         p: i64,

@@ -212,7 +212,7 @@ impl Worker {
             commands: splits.iter().flat_map(|s| s.rest.commands.iter().cloned()).collect(),
             ..Default::default()
         };
-        let mut loaded = self.store.load(self.partition.0, &to_load).await?;
+        let mut loaded = self.store.load(self.partition, &to_load).await?;
         let todo: Vec<(&(u64, CommandBatch), &crate::known::Split)> =
             parts.iter().zip(&splits).filter(|((seq, _), _)| *seq > loaded.at.applied).collect();
         if todo.is_empty() {
@@ -281,7 +281,7 @@ impl Worker {
         to: &Position,
         writes: &Writes<'_>,
     ) -> Result<Commit, StoreError> {
-        let result = self.store.commit(self.partition.0, fence, to, writes).await;
+        let result = self.store.commit(self.partition, fence, to, writes).await;
         let mut known = self.known();
         match (&result, writes.slots) {
             (Ok(Commit::Done), Some(slots)) => known.forget_written(slots),

@@ -29,7 +29,7 @@ impl Worker {
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
         error!(partition = %self.partition, seq, reason = why, %detail, "dead-lettering command message");
-        let at = self.store.position(self.partition.0).await?;
+        let at = self.store.position(self.partition).await?;
         if seq <= at.applied {
             return Ok(Handled::Skipped);
         }

@@ -48,7 +48,7 @@ impl Worker {
     pub(super) async fn plan_snapshots(&self, job: KeyframeJob, queue: &mut VecDeque<PlaceSnapshot>) {
         let places = match job.place {
             Some(place) => vec![place],
-            None => match self.store.places(self.partition.0).await {
+            None => match self.store.places(self.partition).await {
                 Ok(p) => p,
                 Err(e) => {
                     job.progress
@@ -144,7 +144,7 @@ impl Worker {
             Err(e) => Err(anyhow::anyhow!("keyframe task: {e}")),
         };
         let f = &hand.frozen;
-        if let Err(e) = self.store.thaw_place(self.partition.0, f.brand_id, f.place_id).await {
+        if let Err(e) = self.store.thaw_place(self.partition, f.brand_id, f.place_id).await {
             warn!(
                 partition = %self.partition, brand_id = f.brand_id, place_id = f.place_id,
                 error = %e, "dropping a frozen place failed (it expires)"
@@ -200,7 +200,7 @@ impl Worker {
         place_id: i64,
     ) -> anyhow::Result<Frozen> {
         let command_seq =
-            self.store.freeze_place(self.partition.0, brand_id, place_id, FROZEN_TTL).await?;
+            self.store.freeze_place(self.partition, brand_id, place_id, FROZEN_TTL).await?;
         let as_of = Self::now_us();
         Ok(Frozen {
             keyframe_id: keyframe_id.to_string(),
@@ -224,7 +224,7 @@ impl Worker {
         publisher: &mut Publisher,
     ) -> anyhow::Result<Digest> {
         let started = Instant::now();
-        let partition = self.partition.0;
+        let partition = self.partition;
         let subject = self.subjects.keyframes(f.brand_id, f.place_id);
         let part_of = |part: u32, records: Vec<Record>, first_seq: Option<u64>| KeyframeBatch {
             keyframe_id: f.keyframe_id.clone(),
@@ -336,7 +336,7 @@ impl Worker {
         changed: &HashSet<String>,
         publisher: &mut Publisher,
     ) -> anyhow::Result<u64> {
-        let partition = self.partition.0;
+        let partition = self.partition;
         let records = frozen.count;
         let mut digest = frozen;
         let ids: Vec<String> = changed.iter().cloned().collect();
@@ -348,7 +348,7 @@ impl Worker {
         }
         let command_seq = self.store.applied_seq(partition).await?;
         let mark = ChangeBatch {
-            partition,
+            partition: partition.0,
             command_seq,
             keyframe: Some(KeyframeMark {
                 keyframe_id: f.keyframe_id.clone(),

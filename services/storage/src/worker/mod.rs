@@ -230,14 +230,14 @@ impl Worker {
             let bound = async {
                 let (stream, consumer) = self.consumer().await?;
                 let identity = stream_identity(&stream);
-                match self.store.bind_stream(self.partition.0, &identity).await? {
+                match self.store.bind_stream(self.partition, &identity).await? {
                     StreamBinding::Same => {}
                     StreamBinding::Replaced { recorded } => {
                         return Ok(Err((identity, recorded)));
                     }
                 }
                 // A partition written by an older version: its layout first.
-                match self.store.upgrade_layout(self.partition.0).await? {
+                match self.store.upgrade_layout(self.partition).await? {
                     Some(0) => {}
                     Some(moved) => info!(
                         partition = %self.partition, moved, layout = crate::store::LAYOUT,

@@ -22,7 +22,7 @@ impl Worker {
     /// records absent for longer than `absent_ttl` (a DELETED change each),
     /// every write fenced by the partition's position like a commit.
     pub(super) async fn purge(&self, relay: &mut Relay, shutdown: &mut watch::Receiver<bool>) {
-        let at = match self.store.position(self.partition.0).await {
+        let at = match self.store.position(self.partition).await {
             Ok(at) if at.step.is_empty() => at,
             Ok(_) => return, // a message is half applied: it goes first
             Err(e) => {
@@ -32,7 +32,7 @@ impl Worker {
         };
         let fence = Fence { at, stream: self.stream_identity() };
         let cutoff = Self::now_us() - self.settings.storage.tombstone_ttl.as_micros() as i64;
-        match self.store.purge_tombstones(self.partition.0, &fence, cutoff, PURGE_BATCH).await {
+        match self.store.purge_tombstones(self.partition, &fence, cutoff, PURGE_BATCH).await {
             Ok(Some(0)) => {}
             Ok(Some(n)) => {
                 debug!(partition = %self.partition, purged = n, "tombstones purged");
@@ -64,7 +64,7 @@ impl Worker {
             return Ok(());
         }
         let cutoff = Self::now_us() - ttl.as_micros() as i64;
-        let due = self.store.absent_due(self.partition.0, cutoff, PURGE_BATCH).await?;
+        let due = self.store.absent_due(self.partition, cutoff, PURGE_BATCH).await?;
         if due.is_empty() {
             return Ok(());
         }
@@ -73,7 +73,7 @@ impl Worker {
             commands: due.iter().map(|k| delete_command(k, None)).collect(),
             ..Default::default()
         };
-        let mut loaded = self.store.load(self.partition.0, &probe).await?;
+        let mut loaded = self.store.load(self.partition, &probe).await?;
         if loaded.at != fence.at {
             return Err(HandleError::Fenced);
         }

@@ -119,7 +119,7 @@ impl Worker {
         relay: &mut Relay,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<Handled, HandleError> {
-        let p = self.partition.0;
+        let p = self.partition;
         let at = self.store.position(p).await?;
         if seq <= at.applied {
             return Ok(Handled::Skipped);
@@ -299,7 +299,7 @@ impl Worker {
         loop {
             alive.tick().await;
             let (next, column) =
-                self.store.scan_gens(self.partition.0, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
+                self.store.scan_gens(self.partition, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
             for (id, e) in column {
                 // A rehash can return a field twice.
                 if seen.insert(xxhash_rust::xxh3::xxh3_64(id.as_bytes())) {
