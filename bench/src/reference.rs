@@ -181,10 +181,10 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
     let mut read = redis::pipe();
     for ((b, p), cmds) in &places {
         let ids: Vec<&str> = cmds.iter().map(|c| product_id(c)).collect();
-        read.cmd("HMGET").arg(keys.records(*b, *p)).arg(&ids);
+        read.cmd("HMGET").arg(keys.records((*b, *p).into())).arg(&ids);
     }
     for s in &batch.sweeps {
-        read.cmd("HGETALL").arg(keys.records(s.brand_id, s.place_id));
+        read.cmd("HGETALL").arg(keys.records(s.place()));
     }
     let mut conn = ctx.redis.clone();
     let values: Vec<Value> = read.query_async(&mut conn).await?;
@@ -209,11 +209,11 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
         // What the import carried, as storage keeps it: one APPEND per place.
         for (generation, ids) in carried {
             let blob = shelfsync_storage::apply::touched_set::encode(ids);
-            write.cmd("APPEND").arg(keys.touched(*b, *p, generation)).arg(blob).ignore();
+            write.cmd("APPEND").arg(keys.touched((*b, *p).into(), generation)).arg(blob).ignore();
             writes += 1;
         }
         if !new_records.is_empty() {
-            write.cmd("HSET").arg(keys.records(*b, *p)).arg(new_records).ignore();
+            write.cmd("HSET").arg(keys.records((*b, *p).into())).arg(new_records).ignore();
             writes += 1;
         }
     }
@@ -251,7 +251,7 @@ async fn naive_batch(
             records.push(product_id(c).as_bytes().to_vec());
             records.push(record.encode_to_vec());
         }
-        write.cmd("HSET").arg(keys.records(*b, *p)).arg(records).ignore();
+        write.cmd("HSET").arg(keys.records((*b, *p).into())).arg(records).ignore();
     }
     if !places.is_empty() {
         let mut conn = ctx.redis.clone();

@@ -145,11 +145,11 @@ async fn key_memory(world: &World, storage: &Target) -> anyhow::Result<Vec<(Stri
     let per_place = f64::from(world.profile.items_per_place);
     let mut out = Vec::new();
     for (what, key) in [
-        ("records hash", keys.records(crate::world::BRAND, 1)),
+        ("records hash", keys.records((crate::world::BRAND, 1).into())),
         // Layout 1's keys: none are written any more (0 B), listed so that a
         // measurement of an older storage binary (`--storage-bin`) shows them.
-        ("generations hash", keys.legacy_gens(crate::world::BRAND, 1)),
-        ("id index zset", keys.legacy_ids(crate::world::BRAND, 1)),
+        ("generations hash", keys.legacy_gens((crate::world::BRAND, 1).into())),
+        ("id index zset", keys.legacy_ids((crate::world::BRAND, 1).into())),
     ] {
         let bytes: Option<u64> = redis::cmd("MEMORY")
             .arg("USAGE")

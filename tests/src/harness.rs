@@ -288,7 +288,11 @@ impl Harness {
     ) -> anyhow::Result<HashMap<RecordId, Record>> {
         let mut out = HashMap::new();
         for &p in places {
-            for r in self.store.place_records(self.settings.storage.partitions, brand, p).await? {
+            for r in self
+                .store
+                .place_records(self.settings.storage.partitions, (brand, p).into())
+                .await?
+            {
                 out.insert(id_of(r.key.as_ref().expect("stored records have keys")), r);
             }
         }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use prost::Message;
 use shelfsync_bus::partition_of;
 use shelfsync_proto::{
-    Change, Command, CommandBatch, CommandKind, Product, Record, RecordKey, Sweep,
+    Change, Command, CommandBatch, CommandKind, PlaceKey, Product, Record, RecordKey, Sweep,
 };
 
 use crate::{Harness, patch, product};
@@ -43,11 +43,11 @@ pub struct SerialModel {
     /// Rejection reasons, in order.
     pub rejections: Vec<String>,
     /// Per place, the sweep held for it.
-    pub held: HashMap<(i64, i64), shelfsync_proto::SweepOutcome>,
+    pub held: HashMap<PlaceKey, shelfsync_proto::SweepOutcome>,
     /// Every sweep's outcome, in order.
     pub sweeps: Vec<shelfsync_proto::SweepOutcome>,
-    /// Per (brand, place, generation), what that full import carried so far.
-    touched: HashMap<(i64, i64, i64), std::collections::HashSet<String>>,
+    /// Per place and generation, what that full import carried so far.
+    touched: shelfsync_storage::apply::TouchedSets,
     clock: i64,
 }
 
@@ -67,35 +67,27 @@ impl SerialModel {
         };
         // Every record the model knows is in `slots`, so the sweep finds its
         // candidates there and needs no separate generation column.
-        let swept: HashMap<(i64, i64), shelfsync_storage::apply::SweptPlace> = batch
+        let swept: HashMap<PlaceKey, shelfsync_storage::apply::SweptPlace> = batch
             .sweeps
             .iter()
             .map(|s| {
-                let place = (s.brand_id, s.place_id);
+                let place = s.place();
                 let held = self.held.get(&place).cloned();
-                let touched = self
-                    .touched
-                    .iter()
-                    .filter(|((b, p, _), _)| (*b, *p) == place)
-                    .map(|((_, _, g), ids)| (*g, ids.clone()))
-                    .collect();
+                let touched = self.touched.of_place(place);
                 (place, shelfsync_storage::apply::SweptPlace { column: Vec::new(), held, touched })
             })
             .collect();
         let out = shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &swept, &limits);
-        for t in &out.touched {
-            self.touched.entry(t.of()).or_default().insert(t.product_id.clone());
-        }
+        self.touched.commit(&out.touched, &out.sweeps);
         for o in &out.sweeps {
             let Some(s) = &o.sweep else { continue };
-            let place = (s.brand_id, s.place_id);
+            let place = s.place();
             match o.status.as_str() {
                 "held" => {
                     self.held.insert(place, o.clone());
                 }
                 "applied" => {
                     self.held.remove(&place);
-                    self.touched.remove(&(s.brand_id, s.place_id, s.generation));
                 }
                 _ => {}
             }

@@ -269,7 +269,11 @@ impl Handler for Mirror {
 async fn storage_records(h: &Harness, places: &[i64]) -> HashMap<Key, Record> {
     let mut out = HashMap::new();
     for &p in places {
-        for r in h.store.place_records(h.settings.storage.partitions, BRAND, p).await.expect("scan")
+        for r in h
+            .store
+            .place_records(h.settings.storage.partitions, (BRAND, p).into())
+            .await
+            .expect("scan")
         {
             let k = r.key.clone().expect("key");
             out.insert((k.brand_id, k.place_id, k.product_id), r);
@@ -413,11 +417,12 @@ async fn storage_on_redis_cluster_keeps_each_batch_on_one_slot() {
     assert_eq!((decode_product(&r.data).price, r.generation), (Some(1_007), g1));
     assert!(h.get(BRAND, places[0], &sku(49)).await.expect("get").expect("exists").absent);
     assert!(h.get(BRAND, places[15], &sku(0)).await.expect("get").expect("exists").deleted);
-    let all = h.store.place_records(parts, BRAND, places[0]).await.expect("place");
+    let all = h.store.place_records(parts, (BRAND, places[0]).into()).await.expect("place");
     assert_eq!(all.len(), 50);
     let (mut paged, mut cursor) = (Vec::new(), String::new());
     loop {
-        let (page, next) = h.store.page(parts, BRAND, places[0], &cursor, 7).await.expect("page");
+        let (page, next) =
+            h.store.page(parts, (BRAND, places[0]).into(), &cursor, 7).await.expect("page");
         assert!(page.len() <= 7, "a page of {} records at limit 7", page.len());
         paged.extend(page.into_iter().map(|r| r.key.expect("key").product_id));
         match next {
@@ -492,7 +497,9 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     // Streams created R1 are raised to R3 in place by provisioning again.
     let h = Harness::connect(settings.clone()).await.expect("harness");
     settings.nats.stream_replicas = 3;
-    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology()).await.expect("provision R3");
+    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology())
+        .await
+        .expect("provision R3");
 
     let mut cmd_stream = h.js.get_stream(h.subjects.cmd_stream()).await.expect("stream");
     assert_eq!(cmd_stream.info().await.expect("info").config.num_replicas, 3);

@@ -55,7 +55,11 @@ async fn start_bootstrapped_feed(h: &Harness, name: &str, replica: Replica) -> R
 async fn assert_replica_equals_storage(h: &Harness, replica: &Replica, places: &[i64]) {
     let mut expected = HashMap::new();
     for &p in places {
-        for r in h.store.place_records(h.settings.storage.partitions, BRAND, p).await.expect("scan")
+        for r in h
+            .store
+            .place_records(h.settings.storage.partitions, (BRAND, p).into())
+            .await
+            .expect("scan")
         {
             let k = r.key.clone().expect("key");
             expected.insert((k.brand_id, k.place_id, k.product_id), r);

@@ -199,7 +199,8 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
         let (records, last) = check_parts(parts);
 
         // Exactly storage's state: ids, data, state, flags, timestamps, generations.
-        let state = sorted(h.store.place_records(partitions, BRAND, place).await.expect("redis"));
+        let state =
+            sorted(h.store.place_records(partitions, (BRAND, place).into()).await.expect("redis"));
         assert_eq!(state.len(), 1500);
         assert_eq!(sorted(records), state, "place {place}: keyframe differs from storage");
         let d = digest_of(state.iter().map(|r| (product_id(r), r.updated_at)));
@@ -207,7 +208,10 @@ async fn keyframe_of_every_place_is_storage_state_in_parts_with_digest_and_marke
         let ttl = h.settings.storage.tombstone_ttl.as_micros() as i64;
         assert_eq!(last.tombstone_cutoff, last.as_of - ttl);
         let partition = h.partition(BRAND, place).0;
-        assert_eq!(last.command_seq, h.store.applied_seq(shelfsync_bus::Partition(partition)).await.expect("redis"));
+        assert_eq!(
+            last.command_seq,
+            h.store.applied_seq(shelfsync_bus::Partition(partition)).await.expect("redis")
+        );
 
         // The marker follows every change of the place, with the same numbers.
         let changes = place_changes(&h, BRAND, place).await;
@@ -694,7 +698,10 @@ async fn a_reused_keyframe_id_does_not_mix_two_snapshots() {
     assert_eq!(reply.records, 1500);
 
     let state = sorted(
-        h.store.place_records(h.settings.storage.partitions, BRAND, 1).await.expect("redis"),
+        h.store
+            .place_records(h.settings.storage.partitions, (BRAND, 1).into())
+            .await
+            .expect("redis"),
     );
     let keyframes = keyframes_of(&h, BRAND, 1).await;
     let (_, parts) = keyframes.last().expect("a keyframe");

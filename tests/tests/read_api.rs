@@ -7,12 +7,12 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use shelfsync_service::Service as _;
 use serde_json::{Value, json};
 use shelfsync_proto::json::record_to_json;
 use shelfsync_proto::{
     Command, CommandKind, Product, ReadReply, ReadRequest, Record, RecordKey, RecordState,
 };
+use shelfsync_service::Service as _;
 use shelfsync_settings::Settings;
 use shelfsync_testkit::TestEnv;
 use shelfsync_tests::*;
@@ -101,7 +101,7 @@ impl Api {
         let partitions = self.h.settings.storage.partitions;
         self.h
             .store
-            .place_records(partitions, BRAND, place)
+            .place_records(partitions, (BRAND, place).into())
             .await
             .expect("redis")
             .into_iter()
@@ -457,13 +457,23 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
     refused(&api.nats("place", &over).await, "page over the limit");
     // The old contract's `after`: an error that points to `cursor`, not a
     // page read some other way.
-    let old =
-        ReadRequest { brand_id: BRAND, place_id: 1, after: "sku-1".into(), limit: 5, ..Default::default() };
+    let old = ReadRequest {
+        brand_id: BRAND,
+        place_id: 1,
+        after: "sku-1".into(),
+        limit: 5,
+        ..Default::default()
+    };
     let reply = api.nats("place", &old).await;
     refused(&reply, "page after a product id");
     assert!(reply.error.contains("cursor"), "{}", reply.error);
-    let bad =
-        ReadRequest { brand_id: BRAND, place_id: 1, cursor: "%%".into(), limit: 5, ..Default::default() };
+    let bad = ReadRequest {
+        brand_id: BRAND,
+        place_id: 1,
+        cursor: "%%".into(),
+        limit: 5,
+        ..Default::default()
+    };
     let reply = api.nats("place", &bad).await;
     refused(&reply, "bad cursor");
     assert!(reply.error.contains("cursor"), "{}", reply.error);

@@ -188,7 +188,7 @@ async fn compare_all(h: &Harness, addr: std::net::SocketAddr) -> Result<usize, S
     for place in PLACES {
         let records = h
             .store
-            .place_records(h.settings.storage.partitions, BRAND, place)
+            .place_records(h.settings.storage.partitions, (BRAND, place).into())
             .await
             .map_err(|e| e.to_string())?;
         offered += brute_force(&records, None, usize::MAX, &[]).len();

@@ -406,7 +406,15 @@ async fn import_one_place(h: &Harness, place: i64, records: usize, generation: i
             partition: h.partition(BRAND, place).0,
             commands: ids
                 .iter()
-                .map(|i| patch(BRAND, place, &format!("sku-{i}"), &product("Roses", 100 + *i as i64, 3), generation))
+                .map(|i| {
+                    patch(
+                        BRAND,
+                        place,
+                        &format!("sku-{i}"),
+                        &product("Roses", 100 + *i as i64, 3),
+                        generation,
+                    )
+                })
                 .collect(),
             ..Default::default()
         })
@@ -466,7 +474,7 @@ async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
     h.send(full_import(&[1], 40, 2, |_, i| 1000 + i as i64)).await.unwrap();
     h.wait_settled().await;
     let p = h.partition(BRAND, 1);
-    let key = h.store.keys(p).touched(BRAND, 1, 2);
+    let key = h.store.keys(p).touched((BRAND, 1).into(), 2);
     let mut conn = h.store.conn();
     let deleted: u64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
     assert_eq!(deleted, 1, "the import's touched set was there");
@@ -476,13 +484,18 @@ async fn a_guarded_sweep_without_a_trace_of_its_import_is_held() {
         generation: 2,
         source: "test".into(),
         import_id: "test-2".into(),
-        guard: Some(shelfsync_proto::SweepGuard { accepted: 40, max_fraction: 0.5, missing: false }),
+        guard: Some(shelfsync_proto::SweepGuard {
+            accepted: 40,
+            max_fraction: 0.5,
+            missing: false,
+        }),
         ..Default::default()
     };
-    let batch = shelfsync_proto::CommandBatch { partition: p.0, sweeps: vec![sweep], ..Default::default() };
+    let batch =
+        shelfsync_proto::CommandBatch { partition: p.0, sweeps: vec![sweep], ..Default::default() };
     h.send_batch(p, &batch).await.unwrap();
     h.wait_settled().await;
-    let held = h.store.held(p, BRAND, 1).await.unwrap().expect("held");
+    let held = h.store.held(p, (BRAND, 1).into()).await.unwrap().expect("held");
     assert_eq!((held.status.as_str(), held.reason.as_str()), ("held", "nothing_carried"));
     assert_eq!(held.candidates, 50, "without the set, every record looks left out");
     for i in 0..50 {
@@ -519,11 +532,17 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
             updated_at: at + i,
             ..Default::default()
         };
-        pipe.hset(keys.records(BRAND, 1), &id, record.encode_to_vec()).ignore();
-        pipe.zadd(keys.legacy_ids(BRAND, 1), &id, 0).ignore();
+        pipe.hset(keys.records((BRAND, 1).into()), &id, record.encode_to_vec()).ignore();
+        pipe.zadd(keys.legacy_ids((BRAND, 1).into()), &id, 0).ignore();
         if i < 30 {
-            let flag = if deleted { "d" } else if absent { "a" } else { "" };
-            pipe.hset(keys.legacy_gens(BRAND, 1), &id, format!("{g1}{flag}")).ignore();
+            let flag = if deleted {
+                "d"
+            } else if absent {
+                "a"
+            } else {
+                ""
+            };
+            pipe.hset(keys.legacy_gens((BRAND, 1).into()), &id, format!("{g1}{flag}")).ignore();
         }
         if deleted {
             pipe.zadd(keys.tombstones(), format!("{BRAND}:1:{id}"), at + i).ignore();
@@ -546,9 +565,10 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
     h.send_sweep(BRAND, 1, g2).await.unwrap();
     h.wait_settled().await;
 
-    let layout: Option<String> = redis::cmd("GET").arg(keys.layout()).query_async(&mut conn).await.unwrap();
+    let layout: Option<String> =
+        redis::cmd("GET").arg(keys.layout()).query_async(&mut conn).await.unwrap();
     assert_eq!(layout.as_deref(), Some(shelfsync_storage::store::LAYOUT));
-    for old in [keys.legacy_gens(BRAND, 1), keys.legacy_ids(BRAND, 1)] {
+    for old in [keys.legacy_gens((BRAND, 1).into()), keys.legacy_ids((BRAND, 1).into())] {
         let exists: bool = redis::cmd("EXISTS").arg(&old).query_async(&mut conn).await.unwrap();
         assert!(!exists, "{old} is gone");
     }
@@ -557,7 +577,7 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
         changes.iter().map(|c| c.key.as_ref().map_or("", |k| k.product_id.as_str())).collect();
     changed.sort();
     assert_eq!(changed, ["sku-0", "sku-16", "sku-17", "sku-18", "sku-19"], "repriced and swept");
-    let all = h.store.place_records(settings_partitions(&h), BRAND, 1).await.unwrap();
+    let all = h.store.place_records(settings_partitions(&h), (BRAND, 1).into()).await.unwrap();
     assert_eq!(all.len(), 31);
     for r in &all {
         let id = &r.key.as_ref().expect("key").product_id;
@@ -577,7 +597,7 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
     let (mut paged, mut cursor) = (Vec::new(), String::new());
     loop {
         let (page, next) =
-            h.store.page(settings_partitions(&h), BRAND, 1, &cursor, 4).await.unwrap();
+            h.store.page(settings_partitions(&h), (BRAND, 1).into(), &cursor, 4).await.unwrap();
         assert!(page.len() <= 4);
         paged.extend(page.into_iter().map(|r| r.key.expect("key").product_id));
         match next {

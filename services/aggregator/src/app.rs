@@ -24,6 +24,7 @@ use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
 use shelfsync_proto::MasterCard;
 use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::Settings;
+use shelfsync_telemetry::chain;
 
 use crate::Config;
 use tracing::{error, info};
@@ -61,10 +62,9 @@ impl App {
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
         shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
         let config = Config::from(&settings);
-        let aggregator =
-            Aggregator::connect(&config, client.clone()).await.with_context(|| {
-                format!("cannot connect to Redis at {}", settings.redis.url_redacted())
-            })?;
+        let aggregator = Aggregator::connect(&config, client.clone()).await.with_context(|| {
+            format!("cannot connect to Redis at {}", settings.redis.url_redacted())
+        })?;
         let http = shelfsync_service::bind(&settings.aggregator.http_listen).await?;
         Ok(App { config, client, aggregator, http })
     }
@@ -155,7 +155,7 @@ async fn watch_reloads(aggregator: Aggregator, drain: Drain) {
             _ = tokio::time::sleep(RELOAD_POLL) => {}
         }
         if let Err(e) = aggregator.finish_reloads().await {
-            error!(error = %e, "sweeping a reloaded place failed; will retry");
+            error!(error = %chain(&e), "sweeping a reloaded place failed; will retry");
         }
     }
 }
@@ -201,8 +201,8 @@ impl From<MasterCard> for CardJson {
     }
 }
 
-fn unavailable(e: &dyn std::fmt::Display) -> Response {
-    error!(error = %e, "read failed");
+fn unavailable(e: &(dyn std::error::Error + 'static)) -> Response {
+    error!(error = %chain(e), "read failed");
     (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"error": e.to_string()})))
         .into_response()
 }

@@ -28,6 +28,7 @@ use redis::{Pipeline, ServerErrorKind, Value};
 use shelfsync_proto::MasterCard;
 use shelfsync_redis::group_by_slot;
 use shelfsync_settings::RedisSettings;
+use shelfsync_telemetry::chain;
 use tracing::warn;
 
 use crate::aggregate::{
@@ -171,7 +172,7 @@ fn decode_seen(key: &str, id: &str, raw: &str) -> Option<Seen> {
         Ok(s) => Some(s),
         Err(e) => {
             // Only this process writes it; treat garbage as "never counted".
-            warn!(key, product_id = id, error = %e, "unreadable offer view entry ignored");
+            warn!(key, product_id = id, error = %chain(&e), "unreadable offer view entry ignored");
             None
         }
     }

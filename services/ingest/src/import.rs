@@ -36,7 +36,7 @@ use shelfsync_proto::{
 use shelfsync_settings::{
     ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings, Settings, Topology,
 };
-use shelfsync_telemetry::names;
+use shelfsync_telemetry::{chain, names};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, warn};
 
@@ -250,14 +250,16 @@ impl Importer {
         match &r.error {
             None => {
                 info!(status = ?r.status, items, rejected, sweeps, bytes_in, ms = r.duration_ms, "import finished");
-                let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-                metrics::gauge!(names::INGEST_LAST_SUCCESS, "partner" => r.partner.clone()).set(now);
+                let now =
+                    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+                metrics::gauge!(names::INGEST_LAST_SUCCESS, "partner" => r.partner.clone())
+                    .set(now);
             }
             Some(error) => warn!(error, items, rejected, bytes_in, "import failed, nothing swept"),
         }
         let json = serde_json::to_string(r).unwrap_or_default();
         if let Err(e) = self.state.push_report(&r.partner, &json).await {
-            warn!(error = %e, "cannot store the import report in Redis");
+            warn!(error = %chain(&e), "cannot store the import report in Redis");
         }
     }
 
@@ -361,7 +363,7 @@ impl Importer {
                 // back; the report says not decided. With no storage
                 // listening at all there is nothing to wait for.
                 Err(e) => {
-                    debug!(error = %e, "storage did not answer the sweeps request");
+                    debug!(error = %chain(&e), "storage did not answer the sweeps request");
                     if last.is_none() {
                         last = Some(SweepsReply { pending: places.to_vec(), ..Default::default() });
                     }

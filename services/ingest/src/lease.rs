@@ -38,6 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
+use shelfsync_telemetry::chain;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -251,7 +252,7 @@ impl Lease {
         self.renewer.abort();
         self.released = true;
         if let Err(e) = self.state.lease_release(&self.partner, &self.holder).await {
-            warn!(error = %e, "cannot release the import lease; it expires on its own");
+            warn!(error = %chain(&e), "cannot release the import lease; it expires on its own");
         }
     }
 }

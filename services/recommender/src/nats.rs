@@ -13,6 +13,7 @@ use futures::StreamExt;
 use prost::Message;
 use shelfsync_proto::{TopReply, TopRequest};
 use shelfsync_service::Drain;
+use shelfsync_telemetry::chain;
 use tracing::{error, info, warn};
 
 use crate::metrics::{self, Transport};
@@ -31,7 +32,7 @@ pub async fn serve(api: Api, client: async_nats::Client, subject: String, drain:
     let mut sub = match client.queue_subscribe(subject.clone(), QUEUE_GROUP.into()).await {
         Ok(s) => s,
         Err(e) => {
-            error!(error = %e, subject = %subject, "cannot subscribe to the query subject");
+            error!(error = %chain(&e), subject = %subject, "cannot subscribe to the query subject");
             return;
         }
     };
@@ -52,7 +53,7 @@ pub async fn serve(api: Api, client: async_nats::Client, subject: String, drain:
             }
         };
         if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot send a top-N reply");
+            warn!(error = %chain(&e), "cannot send a top-N reply");
         }
     }
     let _ = sub.unsubscribe().await;

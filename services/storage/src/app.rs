@@ -16,18 +16,21 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use prost::Message;
-use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects, partition_of};
+use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Subjects};
 use shelfsync_proto::{
-    KeyframeReply, KeyframeRequest, RebaseReply, RebaseRequest, RedriveReply, RedriveRequest,
+    KeyframeReply, KeyframeRequest, PlaceKey, RebaseReply, RebaseRequest, RedriveReply,
+    RedriveRequest,
 };
-use shelfsync_service::Service;
+use shelfsync_service::{Drain, Service};
 use shelfsync_settings::Settings;
-use tokio::sync::{mpsc, oneshot, watch};
+use shelfsync_telemetry::chain;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info, warn};
 
+use crate::config::Config;
 use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
-use crate::read::ReadApi;
 use crate::metrics::{self, Stats};
+use crate::read::ReadApi;
 use crate::readiness::Readiness;
 use crate::store::Store;
 use crate::worker::{Shared, Worker};
@@ -39,7 +42,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
 const GAUGE_EVERY: Duration = Duration::from_secs(5);
 
 pub struct App {
-    settings: Arc<Settings>,
+    config: Arc<Config>,
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
     store: Store,
@@ -64,11 +67,11 @@ impl Keyframer {
     async fn start(
         &self,
         keyframe_id: String,
-        place: Option<(i64, i64)>,
+        place: Option<PlaceKey>,
     ) -> Option<oneshot::Receiver<KeyframeReply>> {
         let targets: Vec<_> = match place {
-            Some((b, p)) => {
-                let owner = partition_of(b, p, self.partitions);
+            Some(place) => {
+                let owner = Partition::of(place, self.partitions);
                 self.workers.iter().filter(|(w, _)| *w == owner).collect()
             }
             None => self.workers.iter().collect(),
@@ -102,18 +105,19 @@ impl App {
     /// Connects to NATS and Redis, makes sure the streams exist and binds
     /// the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
+        let config = Config::from(&settings);
         shelfsync_telemetry::install_metrics();
-        let client = shelfsync_bus::connect(&settings.nats, "shelfsync-storage", true).await?;
-        let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
-        let store = Store::connect(&settings.redis).await.with_context(|| {
-            format!("cannot connect to Redis at {}", settings.redis.url_redacted())
+        let client = shelfsync_bus::connect(&config.nats, "shelfsync-storage", true).await?;
+        let js = shelfsync_bus::jetstream(client.clone(), &config.nats);
+        shelfsync_bus::provision(&js, &config.nats, config.topology()).await?;
+        let store = Store::connect(&config.redis).await.with_context(|| {
+            format!("cannot connect to Redis at {}", config.redis.url_redacted())
         })?;
-        let http = tokio::net::TcpListener::bind(&settings.storage.http_listen)
+        let http = tokio::net::TcpListener::bind(&config.storage.http_listen)
             .await
-            .with_context(|| format!("cannot listen on {}", settings.storage.http_listen))?;
+            .with_context(|| format!("cannot listen on {}", config.storage.http_listen))?;
         Ok(App {
-            settings: Arc::new(settings),
+            config: Arc::new(config),
             client,
             js,
             store,
@@ -137,7 +141,6 @@ impl App {
     pub fn http_addr(&self) -> std::net::SocketAddr {
         self.http.local_addr().expect("bound listener has an address")
     }
-
 }
 
 impl Service for App {
@@ -150,44 +153,45 @@ impl Service for App {
     ) -> anyhow::Result<()> {
         let max_payload = self.client.server_info().max_payload;
         let max_bytes = max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
-        let record_limit = self.settings.storage.max_record_bytes;
+        let record_limit = self.config.storage.max_record_bytes;
         if 2 * record_limit + 16 * 1024 > max_bytes {
             warn!(
-                max_record_bytes = record_limit, max_payload,
+                max_record_bytes = record_limit,
+                max_payload,
                 "a change of a record near storage.max_record_bytes (before and after) may not \
                  fit in one message of this server: such a change goes out without its before \
                  image (before_omitted); raise the server's max_payload or lower the limit"
             );
         }
-        let owned = self.settings.storage.owned_partitions();
+        let owned = self.config.storage.owned_partitions();
         info!(
-            replica = self.settings.storage.replica,
-            replicas = self.settings.storage.replicas,
+            replica = self.config.storage.replica,
+            replicas = self.config.storage.replicas,
             partitions = owned.len(),
             http = %self.http_addr(),
             "storage starting"
         );
-        let subjects = Subjects::new(&self.settings.nats.prefix);
-        let (stop_tx, stop_rx) = watch::channel(false);
+        let subjects = Subjects::new(&self.config.nats.prefix);
+        let stop = Drain::new();
         // The read API and probes outlive the workers: `/readyz` says 503
         // while they drain.
-        let (serve_stop_tx, serve_stop_rx) = watch::channel(false);
+        let serving = Drain::new();
         self.ready.expect(owned.len());
         let mut tasks = tokio::task::JoinSet::new();
         let mut keyframer = Keyframer {
             js: self.js.clone(),
             changes_stream: subjects.changes_stream(),
-            replica: self.settings.storage.replica,
-            partitions: self.settings.storage.partitions,
+            replica: self.config.storage.replica,
+            partitions: self.config.storage.partitions,
             workers: Vec::new(),
         };
         let keyframe_limits = crate::keyframe::KeyframeLimits::new(
-            self.settings.storage.keyframe_concurrency,
-            self.settings.storage.keyframe_rate,
-            self.settings.storage.keyframe_yield_after,
+            self.config.storage.keyframe_concurrency,
+            self.config.storage.keyframe_rate,
+            self.config.storage.keyframe_yield_after,
         );
         let shared = Shared {
-            settings: self.settings.clone(),
+            config: self.config.clone(),
             subjects: subjects.clone(),
             js: self.js.clone(),
             store: self.store.clone(),
@@ -200,59 +204,67 @@ impl Service for App {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
             let worker = Arc::new(Worker::new(Partition(p), &shared));
-            let rx = stop_rx.clone();
+            let rx = stop.clone();
             tasks.spawn(async move {
                 let p = worker.partition();
                 if let Err(e) = worker.run(rx, job_rx).await {
-                    error!(partition = %p, error = format!("{e:#}"), "partition worker stopped");
+                    error!(partition = %p, error = %chain(e.as_ref()), "partition worker stopped");
                     return Err(e);
                 }
                 Ok(())
             });
         }
         let mut side = tokio::task::JoinSet::new();
-        side.spawn(schedule_keyframes(self.settings.clone(), keyframer.clone(), stop_rx.clone()));
+        side.spawn(schedule_keyframes(
+            self.config.storage.keyframe_schedule.clone(),
+            keyframer.clone(),
+            stop.clone(),
+        ));
         side.spawn(serve_keyframe_requests(
             self.client.clone(),
             subjects.clone(),
             keyframer,
-            stop_rx.clone(),
+            stop.clone(),
         ));
         side.spawn(serve_rebase_requests(
             self.client.clone(),
             subjects.clone(),
             self.store.clone(),
             self.ready.clone(),
-            self.settings.storage.replica,
-            stop_rx.clone(),
+            self.config.storage.replica,
+            stop.clone(),
         ));
         side.spawn(serve_redrive_requests(
             self.client.clone(),
             subjects.clone(),
             self.store.clone(),
-            self.settings.storage.replica,
-            self.settings.storage.owned_partitions(),
-            stop_rx.clone(),
+            self.config.storage.replica,
+            self.config.storage.owned_partitions(),
+            stop.clone(),
         ));
         side.spawn(sample_gauges(
             self.js.clone(),
             self.store.clone(),
             subjects.clone(),
             owned,
-            serve_stop_rx.clone(),
+            serving.clone(),
         ));
-        let read = ReadApi::new(self.store.clone(), self.settings.clone(), self.stats.clone())
-            .with_readiness(self.ready.clone());
-        side.spawn(read.clone().serve_nats(self.client.clone(), subjects, serve_stop_rx.clone()));
-        side.spawn(read.serve_http(self.http, serve_stop_rx));
+        let read = ReadApi::new(
+            self.store.clone(),
+            Arc::new(self.config.storage.clone()),
+            self.stats.clone(),
+        )
+        .with_readiness(self.ready.clone());
+        side.spawn(read.clone().serve_nats(self.client.clone(), subjects, serving.clone()));
+        side.spawn(read.serve_http(self.http, serving.clone()));
 
         tokio::select! {
             _ = shutdown => info!("shutting down: finishing messages in hand"),
             Some(res) = tasks.join_next() => {
                 // A worker ended on its own: stop the rest and report why.
                 self.ready.drain();
-                let _ = stop_tx.send(true);
-                let _ = serve_stop_tx.send(true);
+                stop.start();
+                serving.start();
                 while tasks.join_next().await.is_some() {}
                 side.shutdown().await;
                 res??;
@@ -260,11 +272,11 @@ impl Service for App {
             }
         }
         self.ready.drain();
-        let _ = stop_tx.send(true);
+        stop.start();
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
             while let Some(res) = tasks.join_next().await {
                 if let Err(e) = res {
-                    error!(error = %e, "partition worker panicked");
+                    error!(error = %chain(&e), "partition worker panicked");
                 }
             }
         })
@@ -275,7 +287,7 @@ impl Service for App {
             warn!(grace = ?SHUTDOWN_GRACE, "workers still busy after the grace period: cut off");
             tasks.shutdown().await;
         }
-        let _ = serve_stop_tx.send(true);
+        serving.start();
         // Let the HTTP and NATS read servers finish their requests.
         let _ = tokio::time::timeout(Duration::from_secs(5), async {
             while side.join_next().await.is_some() {}
@@ -297,14 +309,14 @@ async fn sample_gauges(
     store: Store,
     subjects: Subjects,
     owned: Vec<u32>,
-    mut stop: watch::Receiver<bool>,
+    stop: Drain,
 ) {
     let mut tick = tokio::time::interval(GAUGE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = stop.wait_for(|s| *s) => return,
+            _ = stop.started() => return,
         }
         if let Ok(stream) = js.get_stream(subjects.cmd_stream()).await {
             for &p in &owned {
@@ -326,19 +338,15 @@ async fn sample_gauges(
 /// Fires keyframes on the configured cron schedule (UTC). Every replica runs
 /// the same schedule; the keyframe id derives from the tick, so all replicas
 /// of one tick share it.
-async fn schedule_keyframes(
-    settings: Arc<Settings>,
-    keyframer: Keyframer,
-    mut stop: watch::Receiver<bool>,
-) {
-    let expr = settings.storage.keyframe_schedule.trim();
+async fn schedule_keyframes(schedule: String, keyframer: Keyframer, stop: Drain) {
+    let expr = schedule.trim();
     if expr.is_empty() {
         return;
     }
     let schedule = match cron::Schedule::from_str(expr) {
         Ok(s) => s,
         Err(e) => {
-            error!(error = %e, "invalid keyframe schedule; keyframes only on demand");
+            error!(error = %chain(&e), "invalid keyframe schedule; keyframes only on demand");
             return;
         }
     };
@@ -347,7 +355,7 @@ async fn schedule_keyframes(
         let wait = (next - chrono::Utc::now()).to_std().unwrap_or_default();
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = stop.changed() => return,
+            _ = stop.started() => return,
         }
         let id = keyframe_id_at(next.timestamp_micros());
         info!(keyframe_id = %id, "scheduled keyframe");
@@ -355,7 +363,7 @@ async fn schedule_keyframes(
             // Don't start the next tick's keyframe while this one runs.
             tokio::select! {
                 _ = done => {}
-                _ = stop.changed() => return,
+                _ = stop.started() => return,
             }
         }
     }
@@ -370,7 +378,7 @@ async fn serve_requests<Req, Rep, Fut>(
     client: async_nats::Client,
     subject: String,
     what: &'static str,
-    mut stop: watch::Receiver<bool>,
+    stop: Drain,
     bad: impl Fn(prost::DecodeError) -> Rep,
     mut handle: impl FnMut(Req, async_nats::Subject) -> Fut,
 ) where
@@ -381,14 +389,14 @@ async fn serve_requests<Req, Rep, Fut>(
     let mut sub = match client.subscribe(subject).await {
         Ok(s) => s,
         Err(e) => {
-            error!(error = %e, "cannot subscribe to {what} requests");
+            error!(error = %chain(&e), "cannot subscribe to {what} requests");
             return;
         }
     };
     loop {
         let msg = tokio::select! {
             m = sub.next() => match m { Some(m) => m, None => return },
-            _ = stop.changed() => return,
+            _ = stop.started() => return,
         };
         let Some(reply_to) = msg.reply.clone() else { continue };
         let reply = match Req::decode(msg.payload) {
@@ -397,7 +405,7 @@ async fn serve_requests<Req, Rep, Fut>(
         };
         let Some(reply) = reply else { continue };
         if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-            warn!(error = %e, "cannot reply to a {what} request");
+            warn!(error = %chain(&e), "cannot reply to a {what} request");
         }
     }
 }
@@ -408,9 +416,10 @@ async fn serve_keyframe_requests(
     client: async_nats::Client,
     subjects: Subjects,
     keyframer: Keyframer,
-    stop: watch::Receiver<bool>,
+    stop: Drain,
 ) {
-    let bad = |e| KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
+    let bad =
+        |e| KeyframeReply { error: format!("bad KeyframeRequest: {e}"), ..Default::default() };
     let replier = client.clone();
     let handle = |req, reply_to| {
         let (keyframer, client) = (keyframer.clone(), replier.clone());
@@ -435,13 +444,14 @@ async fn start_keyframe(
     } else {
         req.keyframe_id.clone()
     };
-    let place = (req.brand_id != 0 || req.place_id != 0).then_some((req.brand_id, req.place_id));
+    let place = (req.brand_id != 0 || req.place_id != 0)
+        .then_some(PlaceKey::new(req.brand_id, req.place_id));
     let Some(done) = keyframer.start(id, place).await else { return };
     tokio::spawn(async move {
         match done.await {
             Ok(reply) => {
                 if let Err(e) = client.publish(reply_to, reply.encode_to_vec().into()).await {
-                    warn!(error = %e, "cannot reply to keyframe request");
+                    warn!(error = %chain(&e), "cannot reply to keyframe request");
                 }
             }
             Err(_) => warn!("keyframe abandoned before completion"),
@@ -459,9 +469,10 @@ async fn serve_rebase_requests(
     store: Store,
     ready: Arc<Readiness>,
     replica: u32,
-    stop: watch::Receiver<bool>,
+    stop: Drain,
 ) {
-    let bad = |e| RebaseReply { replica, error: format!("bad RebaseRequest: {e}"), ..Default::default() };
+    let bad =
+        |e| RebaseReply { replica, error: format!("bad RebaseRequest: {e}"), ..Default::default() };
     let handle = |req: RebaseRequest, _| {
         let (store, ready) = (store.clone(), ready.clone());
         async move { Some(rebase_refused(&store, &ready, replica, &req).await) }
@@ -506,9 +517,13 @@ async fn serve_redrive_requests(
     store: Store,
     replica: u32,
     owned: Vec<u32>,
-    stop: watch::Receiver<bool>,
+    stop: Drain,
 ) {
-    let bad = |e| RedriveReply { replica, error: format!("bad RedriveRequest: {e}"), ..Default::default() };
+    let bad = |e| RedriveReply {
+        replica,
+        error: format!("bad RedriveRequest: {e}"),
+        ..Default::default()
+    };
     let owned: Arc<[u32]> = owned.into();
     let handle = |req: RedriveRequest, _| {
         let (store, owned) = (store.clone(), owned.clone());

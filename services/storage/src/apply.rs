@@ -6,11 +6,14 @@
 use std::collections::HashMap;
 
 use shelfsync_proto::{
-    Change, ChangeKind, Command, CommandBatch, CommandKind, Origin, Record, RecordKey, Rejection,
-    Sweep, SweepOutcome,
+    Change, ChangeKind, Command, CommandBatch, CommandKind, Origin, PlaceKey, Record, RecordKey,
+    Rejection, Sweep, SweepOutcome,
 };
 
 pub mod sweep;
+mod touched;
+
+pub use touched::TouchedSets;
 
 use sweep::{Census, Decision};
 
@@ -111,16 +114,15 @@ pub struct Outcome {
 /// that import does not mark it absent, whatever its stored generation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Touch {
-    pub brand_id: i64,
-    pub place_id: i64,
+    pub place: PlaceKey,
     pub generation: i64,
     pub product_id: String,
 }
 
 impl Touch {
     /// The touched set a sweep reads: this import's, for this place.
-    pub fn of(&self) -> (i64, i64, i64) {
-        (self.brand_id, self.place_id, self.generation)
+    pub fn of(&self) -> (PlaceKey, i64) {
+        (self.place, self.generation)
     }
 }
 
@@ -180,7 +182,7 @@ pub mod reason {
 
 /// The records a batch needs loaded: every command key and, for sweeps, the
 /// whole generation column of the swept places.
-pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<(i64, i64)>) {
+pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<PlaceKey>) {
     let mut keys: Vec<Key> = batch
         .commands
         .iter()
@@ -190,8 +192,7 @@ pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<(i64, i64)>) {
         .collect();
     keys.sort();
     keys.dedup();
-    let mut places: Vec<(i64, i64)> =
-        batch.sweeps.iter().map(|s| (s.brand_id, s.place_id)).collect();
+    let mut places: Vec<PlaceKey> = batch.sweeps.iter().map(Sweep::place).collect();
     places.sort();
     places.dedup();
     (keys, places)
@@ -220,7 +221,7 @@ pub(crate) fn bump(prev: i64, now: i64) -> i64 {
 pub fn apply_batch(
     batch: &CommandBatch,
     slots: &mut HashMap<Key, Slot>,
-    swept: &HashMap<(i64, i64), SweptPlace>,
+    swept: &HashMap<PlaceKey, SweptPlace>,
     limits: &Limits,
 ) -> Outcome {
     let mut out = Outcome::default();
@@ -243,11 +244,11 @@ pub fn apply_batch(
         apply_sweep(sweep, slots, swept, limits, &mut out);
     }
     // An applied sweep ends its import's touched set (storage deletes it).
-    let applied: Vec<(i64, i64, i64)> = out
+    let applied: Vec<(PlaceKey, i64)> = out
         .sweeps
         .iter()
         .filter(|o| o.status == sweep::status::APPLIED)
-        .filter_map(|o| o.sweep.as_ref().map(|s| (s.brand_id, s.place_id, s.generation)))
+        .filter_map(|o| o.sweep.as_ref().map(|s| (s.place(), s.generation)))
         .collect();
     out.touched.retain(|t| !applied.contains(&t.of()));
     out
@@ -259,8 +260,7 @@ fn touch_of(cmd: &Command) -> Option<Touch> {
     let key = cmd.key.as_ref()?;
     let keeps = cmd.generation > 0 && cmd.kind != CommandKind::Delete as i32;
     keeps.then(|| Touch {
-        brand_id: key.brand_id,
-        place_id: key.place_id,
+        place: key.place(),
         generation: cmd.generation,
         product_id: key.product_id.clone(),
     })
@@ -411,14 +411,14 @@ fn apply_command(
 fn apply_sweep(
     sweep: &Sweep,
     slots: &mut HashMap<Key, Slot>,
-    swept: &HashMap<(i64, i64), SweptPlace>,
+    swept: &HashMap<PlaceKey, SweptPlace>,
     limits: &Limits,
     out: &mut Outcome,
 ) {
-    let place = (sweep.brand_id, sweep.place_id);
+    let place = sweep.place();
     let stored = swept.get(&place);
     // What the import carried: in earlier batches, and in this one.
-    let this_batch = out.touched.iter().filter(|t| t.of() == (place.0, place.1, sweep.generation));
+    let this_batch = out.touched.iter().filter(|t| t.of() == (place, sweep.generation));
     let mut carried = stored.and_then(|s| s.touched.get(&sweep.generation).cloned());
     for t in this_batch {
         carried.get_or_insert_default().insert(t.product_id.clone());
@@ -428,8 +428,12 @@ fn apply_sweep(
         .unwrap_or_default();
     // Records written earlier in this batch may not be in the stored column.
     let mut products: Vec<String> = column.keys().map(|p| p.to_string()).collect();
-    products
-        .extend(slots.keys().filter(|(b, p, _)| (*b, *p) == place).map(|(_, _, id)| id.clone()));
+    products.extend(
+        slots
+            .keys()
+            .filter(|(b, p, _)| PlaceKey::new(*b, *p) == place)
+            .map(|(_, _, id)| id.clone()),
+    );
     products.sort();
     products.dedup();
     // A slot touched earlier in this batch is newer than the column.
@@ -440,7 +444,7 @@ fn apply_sweep(
     let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
     let mut census = Census::default();
     for id in &products {
-        if let Some(e) = entry(slots, &(place.0, place.1, id.clone())) {
+        if let Some(e) = entry(slots, &(place.brand_id, place.place_id, id.clone())) {
             census.count(&e, sweep.generation, spared(id));
         }
     }
@@ -449,7 +453,7 @@ fn apply_sweep(
     let mut marked = 0;
     if decision == Decision::Apply {
         for id in products.into_iter().filter(|id| !spared(id)) {
-            let k = (place.0, place.1, id);
+            let k = (place.brand_id, place.place_id, id);
             // The store loads every candidate; a missing one is skipped, not guessed.
             let Some(slot) = slots.get_mut(&k) else { continue };
             if let Some(c) = sweep::mark_absent(sweep, &k, slot, limits.now_us) {

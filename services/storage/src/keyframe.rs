@@ -30,10 +30,10 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use shelfsync_bus::digest::Digest;
-use shelfsync_proto::{KeyframeReply, Record};
+use shelfsync_proto::{KeyframeReply, PlaceKey, Record};
+use shelfsync_telemetry::chain;
 use tokio::sync::{Mutex, Semaphore, oneshot};
 use tracing::{info, warn};
-
 
 /// Records read per HSCAN step: small, because each step holds Redis, and
 /// the live commands wait behind it.
@@ -56,7 +56,7 @@ pub struct KeyframeJob {
     /// CHANGES stream's last sequence when the run started.
     pub changes_seq: u64,
     /// `None`: every place of the partition.
-    pub place: Option<(i64, i64)>,
+    pub place: Option<PlaceKey>,
     pub progress: Arc<JobProgress>,
 }
 
@@ -168,26 +168,22 @@ impl KeyframeLimits {
 
     /// The keyframes' own connections, or — when they cannot be made — the
     /// live ones given (tried again next time).
-    pub async fn io(
-        &self,
-        settings: &shelfsync_settings::Settings,
-        live: KeyframeIo,
-    ) -> KeyframeIo {
+    pub async fn io(&self, config: &crate::config::Config, live: KeyframeIo) -> KeyframeIo {
         let connected = self
             .io
             .get_or_try_init(|| async {
                 let client =
-                    shelfsync_bus::connect(&settings.nats, "shelfsync-storage-keyframes", false)
+                    shelfsync_bus::connect(&config.nats, "shelfsync-storage-keyframes", false)
                         .await?;
-                let js = shelfsync_bus::jetstream(client, &settings.nats);
-                let store = crate::store::Store::connect(&settings.redis).await?;
+                let js = shelfsync_bus::jetstream(client, &config.nats);
+                let store = crate::store::Store::connect(&config.redis).await?;
                 anyhow::Ok(KeyframeIo { js, store })
             })
             .await;
         match connected {
             Ok(io) => io.clone(),
             Err(e) => {
-                warn!(error = format!("{e:#}"), "keyframes share the live connections");
+                warn!(error = %chain(e.as_ref()), "keyframes share the live connections");
                 live
             }
         }
@@ -285,7 +281,7 @@ impl Background {
         match runtime {
             Ok(rt) => Self { runtime: Some(rt) },
             Err(e) => {
-                tracing::warn!(error = %e, "no keyframe thread: keyframes run with the live work");
+                tracing::warn!(error = %chain(&e), "no keyframe thread: keyframes run with the live work");
                 Self { runtime: None }
             }
         }
@@ -309,7 +305,7 @@ fn lower_priority() {
     if let Err(e) =
         rustix::process::setpriority_process(Some(rustix::thread::gettid()), KEYFRAME_NICE)
     {
-        tracing::debug!(error = %e, "keyframe thread priority unchanged");
+        tracing::debug!(error = %chain(&e), "keyframe thread priority unchanged");
     }
 }
 
@@ -353,8 +349,7 @@ pub fn keyframe_id_at(unix_micros: i64) -> String {
 pub(crate) struct Frozen {
     pub keyframe_id: String,
     pub changes_seq: u64,
-    pub brand_id: i64,
-    pub place_id: i64,
+    pub place: PlaceKey,
     /// The partition's applied command sequence at the freeze.
     pub command_seq: u64,
     pub as_of: i64,
@@ -398,8 +393,7 @@ mod digest_tests {
         Frozen {
             keyframe_id: "kf-1".into(),
             changes_seq: 0,
-            brand_id: 1,
-            place_id: 2,
+            place: PlaceKey::new(1, 2),
             command_seq: 0,
             as_of: 0,
             tombstone_cutoff,
@@ -445,7 +439,6 @@ mod digest_tests {
         assert_eq!(marked, digest_of(&[("a", 11), ("e", 12)]));
     }
 }
-
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {

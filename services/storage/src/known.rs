@@ -70,7 +70,8 @@ impl Skipped {
     /// What the commit appends to the import's touched set, if anything.
     pub fn touch(&self) -> Option<Touch> {
         let (brand_id, place_id, product_id) = self.key.clone();
-        (self.generation > 0).then_some(Touch { brand_id, place_id, generation: self.generation, product_id })
+        let place = shelfsync_proto::PlaceKey::new(brand_id, place_id);
+        (self.generation > 0).then_some(Touch { place, generation: self.generation, product_id })
     }
 }
 
@@ -137,13 +138,17 @@ impl Known {
     /// commit) into those that must go through Redis and those vouched for.
     pub fn split(&self, batches: &[&CommandBatch]) -> Vec<Split> {
         if self.entries.is_empty() {
-            return batches.iter().map(|b| Split { rest: (*b).clone(), skipped: Vec::new() }).collect();
+            return batches
+                .iter()
+                .map(|b| Split { rest: (*b).clone(), skipped: Vec::new() })
+                .collect();
         }
         // A key is skipped only when every command on it is vouched for.
         let mut skippable: HashMap<u128, bool> = HashMap::new();
         for cmd in batches.iter().flat_map(|b| &b.commands) {
             let Some(k) = command_key(cmd) else { continue };
-            let ok = self.entries.get(&k).is_some_and(|e| e.vouches(command_hash(cmd), cmd.generation));
+            let ok =
+                self.entries.get(&k).is_some_and(|e| e.vouches(command_hash(cmd), cmd.generation));
             skippable.entry(k).and_modify(|s| *s &= ok).or_insert(ok);
         }
         batches
@@ -194,7 +199,11 @@ impl Known {
             let Some(key) = cmd.key.as_ref() else { continue };
             let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
             let Some(slot) = slots.get(&slot_key) else { continue };
-            if hash == 0 || slot.record_dirty || slot.record.is_none() || rejected.contains(&slot_key) {
+            if hash == 0
+                || slot.record_dirty
+                || slot.record.is_none()
+                || rejected.contains(&slot_key)
+            {
                 continue;
             }
             let k = key_hash(key.brand_id, key.place_id, &key.product_id);
@@ -236,7 +245,11 @@ mod tests {
     }
 
     fn clean(absent: bool, generation: i64) -> Slot {
-        Slot { record: Some(Record { absent, ..Default::default() }), generation, ..Default::default() }
+        Slot {
+            record: Some(Record { absent, ..Default::default() }),
+            generation,
+            ..Default::default()
+        }
     }
 
     fn batch(cmds: Vec<Command>) -> CommandBatch {

@@ -17,18 +17,20 @@
 mod app;
 pub mod apply;
 mod clock;
+mod config;
 pub mod failpoint;
 pub mod keyframe;
 mod known;
+pub mod metrics;
 mod outbox;
 pub mod read;
-mod relay;
-pub mod metrics;
 mod readiness;
+mod relay;
 pub mod store;
 mod worker;
 
 pub use app::{App, shutdown_signal};
+pub use config::Config;
 pub use metrics::Stats;
 pub use readiness::Readiness;
 pub use store::{RedisConn, Store, StoreError};

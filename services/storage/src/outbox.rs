@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use prost::Message;
 use shelfsync_bus::{Partition, Subjects};
 use shelfsync_proto::{
-    Change, ChangeBatch, Command, OutboxEntry, Rejection, RejectionBatch, msg_type,
+    Change, ChangeBatch, Command, OutboxEntry, PlaceKey, RecordKey, Rejection, RejectionBatch,
+    msg_type,
 };
 
 /// Raw bytes a reduced rejection keeps of its input.
@@ -47,12 +48,12 @@ impl Outbox<'_> {
     ) -> (Vec<OutboxEntry>, u32) {
         let mut out = Vec::new();
         let mut part = first_part;
-        let mut by_place: BTreeMap<(i64, i64), Vec<Change>> = BTreeMap::new();
+        let mut by_place: BTreeMap<PlaceKey, Vec<Change>> = BTreeMap::new();
         for c in changes {
-            let k = c.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            let k = c.key.as_ref().map_or(PlaceKey::new(0, 0), RecordKey::place);
             by_place.entry(k).or_default().push(fit_change(c, self.max_bytes));
         }
-        for ((b, p), list) in by_place {
+        for (place, list) in by_place {
             for chunk in split_by_size(list, self.max_bytes) {
                 let batch = ChangeBatch {
                     changes: chunk,
@@ -62,7 +63,7 @@ impl Outbox<'_> {
                     ..Default::default()
                 };
                 out.push(self.entry(
-                    self.subjects.changes(b, p),
+                    self.subjects.changes(place.brand_id, place.place_id),
                     format!("chg:{}:{id}:{part}", self.partition),
                     batch.encode_to_vec(),
                     msg_type::CHANGE_BATCH,
@@ -71,15 +72,15 @@ impl Outbox<'_> {
                 part += 1;
             }
         }
-        let mut by_place: BTreeMap<(i64, i64), Vec<Rejection>> = BTreeMap::new();
+        let mut by_place: BTreeMap<PlaceKey, Vec<Rejection>> = BTreeMap::new();
         for r in rejections {
-            let k = r.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
+            let k = r.key.as_ref().map_or(PlaceKey::new(0, 0), RecordKey::place);
             by_place.entry(k).or_default().push(fit_rejection(r, self.max_bytes));
         }
-        for ((b, p), list) in by_place {
+        for (place, list) in by_place {
             for chunk in split_by_size(list, self.max_bytes) {
                 out.push(self.entry(
-                    self.subjects.rejects(b, p),
+                    self.subjects.rejects(place.brand_id, place.place_id),
                     format!("rej:{}:{id}:{part}", self.partition),
                     RejectionBatch { rejections: chunk }.encode_to_vec(),
                     msg_type::REJECTION_BATCH,
@@ -264,7 +265,13 @@ mod tests {
     #[test]
     fn ids_are_the_same_on_every_replay_and_parts_continue() {
         let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox { partition: Partition(3), subjects: &subjects, max_bytes: max, floors: (10, 20), trace: &trace };
+        let o = Outbox {
+            partition: Partition(3),
+            subjects: &subjects,
+            max_bytes: max,
+            floors: (10, 20),
+            trace: &trace,
+        };
         let (a, next) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         let (b, _) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         assert_eq!(a, b);
@@ -275,7 +282,13 @@ mod tests {
     #[test]
     fn a_change_over_the_limit_goes_out_without_its_before_data() {
         let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let o = Outbox {
+            partition: Partition(0),
+            subjects: &subjects,
+            max_bytes: max,
+            floors: (0, 0),
+            trace: &trace,
+        };
         let (e, _) = o.entries(1, "1", 0, vec![change("big", 40 * 1024)], vec![]);
         let batch = ChangeBatch::decode(e[0].payload.as_slice()).expect("a change batch");
         assert!(batch.changes[0].before_omitted);
@@ -287,9 +300,19 @@ mod tests {
     #[test]
     fn a_rejection_of_a_huge_command_is_reduced_to_fit() {
         let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let o = Outbox {
+            partition: Partition(0),
+            subjects: &subjects,
+            max_bytes: max,
+            floors: (0, 0),
+            trace: &trace,
+        };
         let r = Rejection {
-            command: Some(Command { key: Some(RecordKey::new(7, 1, "x")), data: vec![1; 200_000], ..Default::default() }),
+            command: Some(Command {
+                key: Some(RecordKey::new(7, 1, "x")),
+                data: vec![1; 200_000],
+                ..Default::default()
+            }),
             reason: "too_large".into(),
             raw: vec![2; 100_000],
             key: Some(RecordKey::new(7, 1, "x")),
@@ -308,7 +331,13 @@ mod tests {
     #[test]
     fn a_refused_entry_is_halved_then_reduced_then_given_up() {
         let (subjects, trace, max) = outbox_of(1 << 20);
-        let o = Outbox { partition: Partition(0), subjects: &subjects, max_bytes: max, floors: (0, 0), trace: &trace };
+        let o = Outbox {
+            partition: Partition(0),
+            subjects: &subjects,
+            max_bytes: max,
+            floors: (0, 0),
+            trace: &trace,
+        };
         let (e, _) = o.entries(1, "1", 0, vec![change("a", 1000), change("b", 1000)], vec![]);
         let halves = smaller(&e[0]).expect("two halves");
         assert_eq!(halves.len(), 2);

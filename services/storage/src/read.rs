@@ -39,11 +39,12 @@ use serde_json::json;
 use shelfsync_bus::{Partition, Subjects};
 use shelfsync_proto::json::record_to_json;
 use shelfsync_proto::{
-    DeadEntriesReply, DeadEntriesRequest, DeadEntry, ReadReply, ReadRequest, Record, SweepsReply,
-    SweepsRequest,
+    DeadEntriesReply, DeadEntriesRequest, DeadEntry, PlaceKey, ReadReply, ReadRequest, Record,
+    SweepsReply, SweepsRequest,
 };
-use shelfsync_settings::Settings;
-use tokio::sync::watch;
+use shelfsync_service::Drain;
+use shelfsync_settings::StorageSettings;
+use shelfsync_telemetry::chain;
 use tracing::{error, warn};
 
 use crate::store::{Store, StoreError};
@@ -71,7 +72,7 @@ impl IntoResponse for ReadError {
 #[derive(Clone)]
 pub struct ReadApi {
     store: Store,
-    settings: Arc<Settings>,
+    storage: Arc<StorageSettings>,
     stats: Arc<crate::Stats>,
     ready: Option<Arc<crate::readiness::Readiness>>,
 }
@@ -87,8 +88,8 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 }
 
 impl ReadApi {
-    pub fn new(store: Store, settings: Arc<Settings>, stats: Arc<crate::Stats>) -> Self {
-        Self { store, settings, stats, ready: None }
+    pub fn new(store: Store, storage: Arc<StorageSettings>, stats: Arc<crate::Stats>) -> Self {
+        Self { store, storage, stats, ready: None }
     }
 
     /// `/readyz` also follows the workers' readiness.
@@ -98,25 +99,22 @@ impl ReadApi {
     }
 
     fn partitions(&self) -> u32 {
-        self.settings.storage.partitions
+        self.storage.partitions
     }
 
-    pub async fn get(&self, brand: i64, place: i64, id: &str) -> Result<Option<Record>, ReadError> {
+    pub async fn get(&self, place: PlaceKey, id: &str) -> Result<Option<Record>, ReadError> {
         check_product_id(id)?;
-        Ok(self
-            .store
-            .get(self.partitions(), &shelfsync_proto::RecordKey::new(brand, place, id))
-            .await?)
+        let key = shelfsync_proto::RecordKey::new(place.brand_id, place.place_id, id);
+        Ok(self.store.get(self.partitions(), &key).await?)
     }
 
     /// Records of one place in the order asked, and the ids that are missing.
     pub async fn batch(
         &self,
-        brand: i64,
-        place: i64,
+        place: PlaceKey,
         ids: &[String],
     ) -> Result<(Vec<Record>, Vec<String>), ReadError> {
-        let max = self.settings.storage.read_max_batch;
+        let max = self.storage.read_max_batch;
         if ids.is_empty() {
             return Err(ReadError::BadRequest("no product ids given".into()));
         }
@@ -129,7 +127,7 @@ impl ReadApi {
         for id in ids {
             check_product_id(id)?;
         }
-        let found = self.store.get_many(self.partitions(), brand, place, ids).await?;
+        let found = self.store.get_many(self.partitions(), place, ids).await?;
         let mut records = Vec::new();
         let mut missing = Vec::new();
         for (id, r) in ids.iter().zip(found) {
@@ -146,13 +144,12 @@ impl ReadApi {
     /// the old contract's product id, is refused when set.
     pub async fn page(
         &self,
-        brand: i64,
-        place: i64,
+        place: PlaceKey,
         cursor: &str,
         after: &str,
         limit: usize,
     ) -> Result<(Vec<Record>, Option<String>), ReadError> {
-        let max = self.settings.storage.read_max_batch;
+        let max = self.storage.read_max_batch;
         if limit == 0 || limit > max {
             return Err(ReadError::BadRequest(format!("limit must be 1 to {max}, got {limit}")));
         }
@@ -163,7 +160,7 @@ impl ReadApi {
                     .into(),
             ));
         }
-        match self.store.page(self.partitions(), brand, place, cursor, limit).await {
+        match self.store.page(self.partitions(), place, cursor, limit).await {
             Err(StoreError::BadCursor(why)) => Err(ReadError::BadRequest(why)),
             r => Ok(r?),
         }
@@ -185,21 +182,21 @@ impl ReadApi {
             reply.outcomes.sort_by_key(|o| o.sweep.as_ref().map(|s| (s.brand_id, s.place_id)));
             return Ok(reply);
         }
-        if req.place_ids.len() > self.settings.storage.read_max_batch.max(10_000) {
+        if req.place_ids.len() > self.storage.read_max_batch.max(10_000) {
             return Err(ReadError::BadRequest("too many places in one request".into()));
         }
-        let mut by_partition: std::collections::BTreeMap<u32, Vec<(i64, i64)>> =
+        let mut by_partition: std::collections::BTreeMap<Partition, Vec<PlaceKey>> =
             Default::default();
-        for &place in &req.place_ids {
-            let p = shelfsync_bus::partition_of(req.brand_id, place, self.partitions()).0;
-            by_partition.entry(p).or_default().push((req.brand_id, place));
+        for &place_id in &req.place_ids {
+            let place = PlaceKey::new(req.brand_id, place_id);
+            by_partition.entry(Partition::of(place, self.partitions())).or_default().push(place);
         }
         for (p, places) in by_partition {
-            let found = self.store.sweep_outcomes(Partition(p), &req.import_id, &places).await?;
-            for ((_, place), o) in places.into_iter().zip(found) {
+            let found = self.store.sweep_outcomes(p, &req.import_id, &places).await?;
+            for (place, o) in places.into_iter().zip(found) {
                 match o {
                     Some(o) => reply.outcomes.push(o),
-                    None => reply.pending.push(place),
+                    None => reply.pending.push(place.place_id),
                 }
             }
         }
@@ -234,11 +231,13 @@ impl ReadApi {
     async fn answer_bytes(&self, what: &str, payload: &[u8]) -> Vec<u8> {
         match what {
             "sweeps" => match SweepsRequest::decode(payload) {
-                Ok(req) => self.sweeps(&req).await.unwrap_or_else(|e| SweepsReply {
-                    error: e.to_string(),
-                    ..Default::default()
-                }),
-                Err(e) => SweepsReply { error: format!("bad SweepsRequest: {e}"), ..Default::default() },
+                Ok(req) => self
+                    .sweeps(&req)
+                    .await
+                    .unwrap_or_else(|e| SweepsReply { error: e.to_string(), ..Default::default() }),
+                Err(e) => {
+                    SweepsReply { error: format!("bad SweepsRequest: {e}"), ..Default::default() }
+                }
             }
             .encode_to_vec(),
             "dead" => match DeadEntriesRequest::decode(payload) {
@@ -268,7 +267,7 @@ impl ReadApi {
         };
         let result = match what {
             "get" => match req.product_ids.as_slice() {
-                [id] => self.get(req.brand_id, req.place_id, id).await.map(|r| match r {
+                [id] => self.get(req.place(), id).await.map(|r| match r {
                     Some(r) => ReadReply { records: vec![r], ..Default::default() },
                     None => ReadReply { missing: vec![id.clone()], ..Default::default() },
                 }),
@@ -278,12 +277,12 @@ impl ReadApi {
                 ))),
             },
             "batch" => self
-                .batch(req.brand_id, req.place_id, &req.product_ids)
+                .batch(req.place(), &req.product_ids)
                 .await
                 .map(|(records, missing)| ReadReply { records, missing, ..Default::default() }),
             _ => {
                 let limit = if req.limit == 0 { 100 } else { req.limit as usize };
-                self.page(req.brand_id, req.place_id, &req.cursor, &req.after, limit).await.map(
+                self.page(req.place(), &req.cursor, &req.after, limit).await.map(
                     |(records, next)| ReadReply {
                         records,
                         next_after: next.as_ref().map_or("", |_| OLD_CONTRACT_NEXT).into(),
@@ -296,13 +295,8 @@ impl ReadApi {
         result.unwrap_or_else(|e| ReadReply { error: e.to_string(), ..Default::default() })
     }
 
-    /// Serves the NATS subjects until `stop` flips.
-    pub async fn serve_nats(
-        self,
-        client: async_nats::Client,
-        subjects: Subjects,
-        mut stop: watch::Receiver<bool>,
-    ) {
+    /// Serves the NATS subjects until `stop` starts.
+    pub async fn serve_nats(self, client: async_nats::Client, subjects: Subjects, stop: Drain) {
         let subscribe = |what: &'static str| {
             let client = client.clone();
             let subject = subjects.read(what);
@@ -320,14 +314,14 @@ impl ReadApi {
         let mut all = match subs {
             Ok(s) => futures::stream::select_all(s),
             Err(e) => {
-                error!(error = %e, "cannot subscribe to the read subjects");
+                error!(error = %chain(&e), "cannot subscribe to the read subjects");
                 return;
             }
         };
         loop {
             let (what, msg) = tokio::select! {
                 m = all.next() => match m { Some(m) => m, None => return },
-                _ = stop.changed() => return,
+                _ = stop.started() => return,
             };
             let Some(reply_to) = msg.reply.clone() else { continue };
             let api = self.clone();
@@ -335,7 +329,7 @@ impl ReadApi {
             tokio::spawn(async move {
                 let reply = api.answer_bytes(what, &msg.payload).await;
                 if let Err(e) = client.publish(reply_to, reply.into()).await {
-                    warn!(error = %e, "cannot send read reply");
+                    warn!(error = %chain(&e), "cannot send read reply");
                 }
             });
         }
@@ -358,28 +352,21 @@ impl ReadApi {
         shelfsync_telemetry::instrument(router)
     }
 
-    /// Serves HTTP on `listener` until `stop` flips.
-    pub async fn serve_http(
-        self,
-        listener: tokio::net::TcpListener,
-        mut stop: watch::Receiver<bool>,
-    ) {
+    /// Serves HTTP on `listener` until `stop` starts.
+    pub async fn serve_http(self, listener: tokio::net::TcpListener, stop: Drain) {
         let app = self.router();
-        let shutdown = async move {
-            let _ = stop.changed().await;
-        };
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-            error!(error = %e, "HTTP server failed");
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stop.started()).await {
+            error!(error = %chain(&e), "HTTP server failed");
         }
     }
 }
 
-fn parse_key(brand: &str, place: &str) -> Result<(i64, i64), ReadError> {
+fn parse_place(brand: &str, place: &str) -> Result<PlaceKey, ReadError> {
     let n = |what: &str, v: &str| {
         v.parse::<i64>()
             .map_err(|_| ReadError::BadRequest(format!("{what} must be an integer, got {v:?}")))
     };
-    Ok((n("brand", brand)?, n("place", place)?))
+    Ok(PlaceKey::new(n("brand", brand)?, n("place", place)?))
 }
 
 async fn readyz(State(api): State<ReadApi>) -> StatusCode {
@@ -395,8 +382,8 @@ async fn http_get(
     State(api): State<ReadApi>,
     Path((brand, place, product)): Path<(String, String, String)>,
 ) -> Result<Response, ReadError> {
-    let (b, p) = parse_key(&brand, &place)?;
-    Ok(match api.get(b, p, &product).await? {
+    let place = parse_place(&brand, &place)?;
+    Ok(match api.get(place, &product).await? {
         Some(r) => Json(record_to_json(&r)).into_response(),
         None => (StatusCode::NOT_FOUND, Json(json!({"error": "record not found"}))).into_response(),
     })
@@ -412,9 +399,9 @@ async fn http_batch(
     Path((brand, place)): Path<(String, String)>,
     body: Result<Json<BatchBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ReadError> {
-    let (b, p) = parse_key(&brand, &place)?;
+    let place = parse_place(&brand, &place)?;
     let Json(body) = body.map_err(|e| ReadError::BadRequest(format!("body: {e}")))?;
-    let (records, missing) = api.batch(b, p, &body.product_ids).await?;
+    let (records, missing) = api.batch(place, &body.product_ids).await?;
     let records: Vec<_> = records.iter().map(record_to_json).collect();
     Ok(Json(json!({ "records": records, "missing": missing })).into_response())
 }
@@ -439,7 +426,7 @@ async fn http_page(
     Path((brand, place)): Path<(String, String)>,
     Query(q): Query<PageQuery>,
 ) -> Result<Response, ReadError> {
-    let (b, p) = parse_key(&brand, &place)?;
+    let place = parse_place(&brand, &place)?;
     let limit = match q.limit {
         None => 100,
         Some(s) => s
@@ -447,7 +434,7 @@ async fn http_page(
             .map_err(|_| ReadError::BadRequest("limit must be a non-negative integer".into()))?,
     };
     let (cursor, after) = (q.cursor.as_deref().unwrap_or(""), q.after.as_deref().unwrap_or(""));
-    let (records, next) = api.page(b, p, cursor, after, limit).await?;
+    let (records, next) = api.page(place, cursor, after, limit).await?;
     let records: Vec<_> = records.iter().map(record_to_json).collect();
     let old_next = next.as_ref().map(|_| OLD_CONTRACT_NEXT);
     Ok(Json(json!({ "records": records, "next_cursor": next, "next_after": old_next }))

@@ -26,11 +26,12 @@ use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use shelfsync_bus::{Failure, Partition, PublishFailed, Publisher, Subjects};
 use shelfsync_proto::{OutboxEntry, msg_type};
+use shelfsync_telemetry::chain;
 use tracing::{Instrument, error, warn};
 
 use crate::failpoint;
-use crate::outbox::smaller;
 use crate::metrics::Stats;
+use crate::outbox::smaller;
 use crate::store::{OUTBOX_PEEK, Store, StoreError};
 
 /// How many times an entry JetStream refuses (other than for its size) is
@@ -106,9 +107,13 @@ impl Relay {
                 Ok(info) => {
                     self.known.insert(stream.to_string(), info.state.last_sequence);
                 }
-                Err(e) => warn!(partition = %self.partition, stream, error = %e, "stream info failed"),
+                Err(e) => {
+                    warn!(partition = %self.partition, stream, error = %chain(&e), "stream info failed")
+                }
             },
-            Err(e) => warn!(partition = %self.partition, stream, error = %e, "stream info failed"),
+            Err(e) => {
+                warn!(partition = %self.partition, stream, error = %chain(&e), "stream info failed")
+            }
         }
     }
 
@@ -148,11 +153,8 @@ impl Relay {
                 self.uncertain = false;
                 return Ok(total);
             }
-            let stored = if self.uncertain {
-                self.stored_ids(&entries).await?
-            } else {
-                HashSet::new()
-            };
+            let stored =
+                if self.uncertain { self.stored_ids(&entries).await? } else { HashSet::new() };
             let contexts: Vec<_> = entries.iter().map(context_of).collect();
             // Relaying entries of several command messages: link them all.
             shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
@@ -232,7 +234,8 @@ impl Relay {
         }
         let mut ids = HashSet::new();
         for ((subject, stream), floor) in floors {
-            let read_err = |detail: String| RelayError::ReadBack { subject: subject.into(), detail };
+            let read_err =
+                |detail: String| RelayError::ReadBack { subject: subject.into(), detail };
             let stream =
                 self.js.get_stream_no_info(&stream).await.map_err(|e| read_err(e.to_string()))?;
             let mut next = floor.saturating_add(1);

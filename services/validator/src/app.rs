@@ -11,6 +11,7 @@ use anyhow::Context;
 use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, FeedStatus};
 use shelfsync_service::{Drain, Probes, Readiness, Service, serve};
 use shelfsync_settings::{Settings, ValidatorSettings};
+use shelfsync_telemetry::chain;
 use tracing::{info, warn};
 
 use crate::handler::{Stats, Validator};
@@ -115,7 +116,7 @@ async fn rebind_until_drained(feed: &mut ChangeFeed, handler: &mut Validator, dr
         }
         match result {
             Ok(()) => warn!("change feed ended; binding it again"),
-            Err(e) => warn!(error = %e, retry_in = ?delay, "change feed unavailable"),
+            Err(e) => warn!(error = %chain(&e), retry_in = ?delay, "change feed unavailable"),
         }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}

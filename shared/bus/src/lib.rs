@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use shelfsync_settings::{NatsSettings, Topology};
+use shelfsync_telemetry::chain;
 
 pub use batch::{CommandBatcher, batch_overhead};
 pub use publish::{Failure, PublishFailed, Publisher};
@@ -133,11 +134,8 @@ pub fn stream_configs(n: &NatsSettings, topology: Topology) -> Vec<stream::Confi
             max_bytes: max_bytes(n.cmd_max_bytes),
             discard: stream::DiscardPolicy::New,
             description: Some("shelfsync commands, one subject per partition".into()),
-            metadata: [(
-                "shelfsync.partitions".to_string(),
-                topology.partitions.to_string(),
-            )]
-            .into(),
+            metadata: [("shelfsync.partitions".to_string(), topology.partitions.to_string())]
+                .into(),
             // Storage reads the messages queued behind the one delivered
             // with direct gets (next on the partition's subject).
             allow_direct: true,
@@ -189,12 +187,12 @@ pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
 pub async fn close(client: &async_nats::Client) {
     match tokio::time::timeout(CLOSE_WAIT, client.flush()).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "cannot flush the NATS connection"),
+        Ok(Err(e)) => tracing::warn!(error = %chain(&e), "cannot flush the NATS connection"),
         Err(_) => tracing::warn!(wait = ?CLOSE_WAIT, "NATS flush timed out"),
     }
     match tokio::time::timeout(CLOSE_WAIT, client.drain()).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "cannot drain the NATS connection"),
+        Ok(Err(e)) => tracing::warn!(error = %chain(&e), "cannot drain the NATS connection"),
         Err(_) => tracing::warn!(wait = ?CLOSE_WAIT, "NATS drain timed out"),
     }
 }

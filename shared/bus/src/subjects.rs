@@ -7,6 +7,13 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Partition(pub u32);
 
+impl Partition {
+    /// The partition a place's records live in, of `partitions`.
+    pub fn of(place: shelfsync_proto::PlaceKey, partitions: u32) -> Partition {
+        partition_of(place.brand_id, place.place_id, partitions)
+    }
+}
+
 impl fmt::Display for Partition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.fmt(f)

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use shelfsync_telemetry::names;
+use shelfsync_telemetry::{chain, names};
 
 use async_nats::jetstream::{self, AckKind, consumer};
 use futures::StreamExt;
@@ -261,7 +261,7 @@ impl ChangeFeed {
                 m = messages.next() => match m {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
-                        warn!(feed = %self.cfg.name, error = %e, "pull failed; retrying");
+                        warn!(feed = %self.cfg.name, error = %chain(&e), "pull failed; retrying");
                         tokio::time::sleep(Duration::from_millis(200)).await;
                         continue;
                     }
@@ -295,7 +295,9 @@ impl ChangeFeed {
         }
         let mut start: Option<u64> = None;
         for place in places {
-            let Some(latest) = reader.latest(place.brand_id, place.place_id).await? else { continue };
+            let Some(latest) = reader.latest(place.brand_id, place.place_id).await? else {
+                continue;
+            };
             let seq = latest.last.changes_seq;
             self.load_keyframe(&reader, &latest, handler)
                 .await
@@ -402,7 +404,7 @@ impl ChangeFeed {
             }
         };
         if let Err(e) = ack {
-            debug!(error = %e, "ack failed (the message will be redelivered and skipped)");
+            debug!(error = %chain(&*e), "ack failed (the message will be redelivered and skipped)");
         }
     }
 
@@ -490,7 +492,10 @@ impl ChangeFeed {
         let reader = KeyframeReader::new(&self.js, self.subjects.clone())
             .await
             .map_err(|e| transient(&e))?;
-        let keyframe = reader.of_mark(place.brand_id, place.place_id, mark).await.map_err(|e| transient(&e))?;
+        let keyframe = reader
+            .of_mark(place.brand_id, place.place_id, mark)
+            .await
+            .map_err(|e| transient(&e))?;
         let Some(keyframe) = keyframe else {
             // Replaced by a newer keyframe (its own marker comes later), or
             // never completed: the next keyframe repairs the place.
@@ -551,7 +556,7 @@ impl ChangeFeed {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    warn!(%subject, seq = msg.sequence, error = %e, "not a ChangeBatch; skipped")
+                    warn!(%subject, seq = msg.sequence, error = %chain(&e), "not a ChangeBatch; skipped")
                 }
             }
         }

@@ -29,11 +29,23 @@ impl From<(i64, i64)> for PlaceKey {
     }
 }
 
-impl crate::RecordKey {
-    /// The place this record belongs to.
-    pub fn place(&self) -> PlaceKey {
-        PlaceKey::new(self.brand_id, self.place_id)
-    }
+/// `place()` on the messages that name a place in two fields.
+macro_rules! place_of {
+    ($($msg:ident: $doc:literal),* $(,)?) => {$(
+        impl crate::$msg {
+            #[doc = $doc]
+            pub fn place(&self) -> PlaceKey {
+                PlaceKey::new(self.brand_id, self.place_id)
+            }
+        }
+    )*};
+}
+
+place_of! {
+    RecordKey: "The place this record belongs to.",
+    Sweep: "The place this sweep is of.",
+    KeyframeBatch: "The place this keyframe batch is of.",
+    ReadRequest: "The place this read asks of.",
 }
 
 #[cfg(test)]
@@ -45,5 +57,7 @@ mod tests {
         assert_eq!(PlaceKey::new(7, -2).to_string(), "7:-2");
         assert!(PlaceKey::new(1, 9) < PlaceKey::new(2, 0));
         assert_eq!(crate::RecordKey::new(3, 4, "x").place(), PlaceKey::new(3, 4));
+        let sweep = crate::Sweep { brand_id: 5, place_id: 6, ..Default::default() };
+        assert_eq!(sweep.place(), PlaceKey::new(5, 6));
     }
 }

@@ -25,6 +25,7 @@
 //!   the process, process metrics included; metric names are in [`names`].
 #![forbid(unsafe_code)]
 
+mod chain;
 mod env;
 mod export;
 mod http;
@@ -47,6 +48,7 @@ use tracing_subscriber::{EnvFilter, Layer};
 use crate::export::{Reported, span_exporter};
 use crate::tls::ExportTls;
 
+pub use crate::chain::{Chain, chain};
 pub use crate::env::{FileVar, Options, Propagator, Protocol, TlsFiles};
 pub use crate::http::{UNMATCHED, instrument};
 pub use crate::metrics::{

@@ -153,13 +153,13 @@ struct Store {
     records: BTreeMap<Key, Record>,
     gens: BTreeMap<Key, GenEntry>,
     tombstones: BTreeSet<Key>,
-    /// Per (brand, place, generation): what that full import carried.
-    touched: BTreeMap<(i64, i64, i64), std::collections::HashSet<String>>,
+    /// Per place and generation: what that full import carried.
+    touched: TouchedSets,
     limits: Limits,
 }
 
 /// Per swept place, its generation column as `apply_batch` takes it.
-type SweepGens = HashMap<(i64, i64), SweptPlace>;
+type SweepGens = HashMap<PlaceKey, SweptPlace>;
 
 /// One applied batch: what the core said and the slots it left to commit.
 struct Applied {
@@ -201,7 +201,7 @@ impl Store {
             records: BTreeMap::new(),
             gens: BTreeMap::new(),
             tombstones: BTreeSet::new(),
-            touched: BTreeMap::new(),
+            touched: TouchedSets::default(),
             limits: Limits {
                 partition: shelfsync_bus::partition_of(BRAND, PLACE, partitions).0,
                 partitions,
@@ -221,13 +221,7 @@ impl Store {
         let (mut slots, sweep_gens) = self.load(batch);
         let outcome = apply_batch(batch, &mut slots, &sweep_gens, &self.limits);
         self.commit(&slots);
-        for t in &outcome.touched {
-            self.touched.entry(t.of()).or_default().insert(t.product_id.clone());
-        }
-        for o in outcome.sweeps.iter().filter(|o| o.status == "applied") {
-            let s = o.sweep.as_ref().expect("an outcome names its sweep");
-            self.touched.remove(&(s.brand_id, s.place_id, s.generation));
-        }
+        self.touched.commit(&outcome.touched, &outcome.sweeps);
         self.limits.now_us += SECOND;
         Applied { outcome, slots }
     }
@@ -262,18 +256,13 @@ impl Store {
             let column: Vec<(String, GenEntry)> = self
                 .gens
                 .iter()
-                .filter(|((b, p, _), _)| (*b, *p) == place)
+                .filter(|((b, p, _), _)| PlaceKey::new(*b, *p) == place)
                 .map(|((_, _, id), e)| (id.clone(), *e))
                 .collect();
-            let touched: HashMap<i64, std::collections::HashSet<String>> = self
-                .touched
-                .iter()
-                .filter(|((b, p, _), _)| (*b, *p) == place)
-                .map(|((_, _, g), ids)| (*g, ids.clone()))
-                .collect();
-            for s in batch.sweeps.iter().filter(|s| (s.brand_id, s.place_id) == place) {
+            let touched = self.touched.of_place(place);
+            for s in batch.sweeps.iter().filter(|s| s.place() == place) {
                 for id in sweep_candidates(s, &column, touched.get(&s.generation)) {
-                    let k = (place.0, place.1, id);
+                    let k = (place.brand_id, place.place_id, id);
                     let slot = self.slot(&k);
                     slots.entry(k).or_insert(slot);
                 }
@@ -1233,7 +1222,7 @@ fn touched_lists_each_valid_key_once_and_each_swept_place_once() {
     let (keys, places) = touched(&b);
 
     assert_eq!(keys, vec![key("a"), key("b")]);
-    assert_eq!(places, vec![(BRAND, PLACE), (BRAND, OTHER_PLACE)]);
+    assert_eq!(places, vec![PlaceKey::new(BRAND, PLACE), PlaceKey::new(BRAND, OTHER_PLACE)]);
 }
 
 #[test]
@@ -1250,7 +1239,11 @@ fn sweep_candidates_are_live_entries_below_the_generation() {
 
     assert_eq!(sweep_candidates(&sweep(G2), &column, None), vec!["old", "delta"]);
     let carried = std::collections::HashSet::from(["old".to_string()]);
-    assert_eq!(sweep_candidates(&sweep(G2), &column, Some(&carried)), vec!["delta"], "carried: spared");
+    assert_eq!(
+        sweep_candidates(&sweep(G2), &column, Some(&carried)),
+        vec!["delta"],
+        "carried: spared"
+    );
 }
 
 // ----------------------------------------------------------------- GenEntry
@@ -1454,7 +1447,11 @@ impl Model {
                 self.carried = others;
                 let of_this: BTreeSet<String> = of_this.into_iter().map(|(_, _, id)| id).collect();
                 for (k, r) in self.records.iter_mut().filter(|(k, _)| k.1 == *place) {
-                    if !r.absent && !r.deleted && r.generation < *generation && !of_this.contains(&k.2) {
+                    if !r.absent
+                        && !r.deleted
+                        && r.generation < *generation
+                        && !of_this.contains(&k.2)
+                    {
                         r.absent = true;
                         out.push((k.clone(), ChangeKind::Updated, r.clone()));
                     }

@@ -5,6 +5,7 @@
 //! ([`OPS_LUA`]), built by [`CommitOps`] and the write builders below.
 
 use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
@@ -221,14 +222,14 @@ impl CommitOps {
 /// The writes of dirty slots: records (their generations inside), the
 /// tombstone and absent indexes, and the place list.
 fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
-    let mut records: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+    let mut records: BTreeMap<PlaceKey, Vec<Vec<u8>>> = BTreeMap::new();
     let (mut tombstones, mut absent) = (IndexWrites::default(), IndexWrites::default());
     for ((b, p, id), slot) in slots {
         // A new generation alone rewrites the record too: it is stored in it.
         if (slot.record_dirty || slot.gen_dirty)
             && let Some(r) = &slot.record
         {
-            let v = records.entry((*b, *p)).or_default();
+            let v = records.entry(PlaceKey::new(*b, *p)).or_default();
             v.push(id.as_bytes().to_vec());
             v.push(stored_bytes(r, slot.generation));
         }
@@ -238,10 +239,10 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
         absent.note(slot.absent_index, at, &member);
     }
     let mut new_places = Vec::new();
-    for ((b, p), args) in records {
-        new_places.push(format!("{b}:{p}").into_bytes());
-        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
-        ops.kept_op(&keys.records(b, p), &marker, &frozen, args, 2);
+    for (place, args) in records {
+        new_places.push(place.to_string().into_bytes());
+        let (marker, frozen) = (keys.frozen_marker(place), keys.frozen_records(place));
+        ops.kept_op(&keys.records(place), &marker, &frozen, args, 2);
     }
     ops.op("SADD", &keys.places(), new_places, 1);
     tombstones.write(ops, &keys.tombstones());
@@ -280,12 +281,12 @@ impl IndexWrites {
 /// Appends what full imports carried to their touched sets, one `APPEND`
 /// per place and import.
 fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &[Touch]) {
-    let mut by_set: BTreeMap<(i64, i64, i64), Vec<&str>> = BTreeMap::new();
+    let mut by_set: BTreeMap<(PlaceKey, i64), Vec<&str>> = BTreeMap::new();
     for t in touched {
         by_set.entry(t.of()).or_default().push(&t.product_id);
     }
-    for ((b, p, generation), ids) in by_set {
-        let key = keys.touched(b, p, generation);
+    for ((place, generation), ids) in by_set {
+        let key = keys.touched(place, generation);
         ops.op("APPEND", &key, vec![touched_set::encode(ids)], 1);
         ops.op("PEXPIRE", &key, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
     }
@@ -298,12 +299,12 @@ fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
     use crate::apply::sweep::status;
     for o in sweeps {
         let Some(sweep) = &o.sweep else { continue };
-        let place = format!("{}:{}", sweep.brand_id, sweep.place_id).into_bytes();
+        let place = sweep.place().to_string().into_bytes();
         let bytes = o.encode_to_vec();
         let swept = keys.swept(&sweep.import_id);
         ops.op("HSET", &swept, vec![place.clone(), bytes.clone()], 2);
         ops.op("PEXPIRE", &swept, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
-        let carried = keys.touched(sweep.brand_id, sweep.place_id, sweep.generation);
+        let carried = keys.touched(sweep.place(), sweep.generation);
         match o.status.as_str() {
             status::HELD => {
                 ops.op("HSET", &keys.held(), vec![place, bytes], 2);
@@ -322,17 +323,21 @@ impl Store {
     /// Reads where the partition stands and every record the batch's
     /// commands touch: one HMGET per place (generations are in the record
     /// bytes). Sweeps are not loaded here (see `crate::worker::sweep`).
-    pub async fn load(&self, partition: Partition, batch: &CommandBatch) -> Result<Loaded, StoreError> {
+    pub async fn load(
+        &self,
+        partition: Partition,
+        batch: &CommandBatch,
+    ) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
         let (touched_keys, _) = touched(batch);
-        let mut by_place: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
+        let mut by_place: BTreeMap<PlaceKey, Vec<String>> = BTreeMap::new();
         for (b, p, id) in touched_keys {
-            by_place.entry((b, p)).or_default().push(id);
+            by_place.entry(PlaceKey::new(b, p)).or_default().push(id);
         }
         let mut pipe = redis::pipe();
         pipe.get(keys.seq()).get(keys.step());
-        for ((b, p), ids) in &by_place {
-            hmget_place(&mut pipe, &keys, *b, *p, ids);
+        for (place, ids) in &by_place {
+            hmget_place(&mut pipe, &keys, *place, ids);
         }
         let mut conn = self.conn.clone();
         let mut values: std::vec::IntoIter<Value> =
@@ -341,11 +346,11 @@ impl Store {
         let mut loaded = Loaded::default();
         loaded.at.applied = redis::from_redis_value::<Option<u64>>(next())?.unwrap_or(0);
         loaded.at.step = redis::from_redis_value::<Option<String>>(next())?.unwrap_or_default();
-        for ((b, p), ids) in by_place {
+        for (place, ids) in by_place {
             let recs: Column = redis::from_redis_value(next())?;
-            let slots = self.slots_of(&keys, b, p, &ids, recs)?;
+            let slots = self.slots_of(&keys, place, &ids, recs)?;
             for (id, slot) in ids.into_iter().zip(slots) {
-                loaded.slots.insert((b, p, id), slot);
+                loaded.slots.insert((place.brand_id, place.place_id, id), slot);
             }
         }
         Ok(loaded)
@@ -364,15 +369,14 @@ impl Store {
     pub async fn load_place(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         ids: &[String],
     ) -> Result<HashMap<Key, Slot>, StoreError> {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let slots = self.read_slots(&self.keys(partition), brand_id, place_id, ids).await?;
-        Ok(ids.iter().map(|id| (brand_id, place_id, id.clone())).zip(slots).collect())
+        let slots = self.read_slots(&self.keys(partition), place, ids).await?;
+        Ok(ids.iter().map(|id| (place.brand_id, place.place_id, id.clone())).zip(slots).collect())
     }
 
     /// Records the command stream the partition's sequence counts in, or

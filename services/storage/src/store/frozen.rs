@@ -4,6 +4,7 @@
 //! is thawed and the keyframe's start recorded.
 
 use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 use shelfsync_proto::Record;
 
 use super::{Column, Store, StoreError, full_record};
@@ -32,8 +33,7 @@ impl Store {
     pub async fn freeze_place(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         ttl: std::time::Duration,
     ) -> Result<u64, StoreError> {
         let keys = self.keys(partition);
@@ -42,10 +42,10 @@ impl Store {
             .atomic()
             .get(keys.seq())
             .cmd("UNLINK")
-            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(keys.frozen_records(place))
             .ignore()
             .cmd("SET")
-            .arg(keys.frozen_marker(brand_id, place_id))
+            .arg(keys.frozen_marker(place))
             .arg(1)
             .arg("PX")
             .arg(ttl.as_millis() as u64)
@@ -60,16 +60,15 @@ impl Store {
     pub async fn thaw_place(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
     ) -> Result<(), StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
         // UNLINK: freed in the background, not while every partition's
         // commands wait for Redis.
         let _: () = redis::cmd("UNLINK")
-            .arg(keys.frozen_marker(brand_id, place_id))
-            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(keys.frozen_marker(place))
+            .arg(keys.frozen_records(place))
             .query_async(&mut conn)
             .await?;
         Ok(())
@@ -80,8 +79,7 @@ impl Store {
     pub async fn frozen_and_live(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         ids: &[String],
     ) -> Result<(Vec<Option<Record>>, Vec<Option<Record>>), StoreError> {
         if ids.is_empty() {
@@ -91,10 +89,10 @@ impl Store {
         let mut conn = self.conn.clone();
         let (kept, live): (Column, Column) = redis::pipe()
             .cmd("HMGET")
-            .arg(keys.frozen_records(brand_id, place_id))
+            .arg(keys.frozen_records(place))
             .arg(ids)
             .cmd("HMGET")
-            .arg(keys.records(brand_id, place_id))
+            .arg(keys.records(place))
             .arg(ids)
             .query_async(&mut conn)
             .await?;
@@ -107,9 +105,7 @@ impl Store {
         let decode = |col: Column| -> Result<Vec<Option<Record>>, StoreError> {
             ids.iter()
                 .zip(col)
-                .map(|(id, raw)| {
-                    Ok(self.slot(&keys, brand_id, place_id, id, raw.as_deref())?.record)
-                })
+                .map(|(id, raw)| Ok(self.slot(&keys, place, id, raw.as_deref())?.record))
                 .collect()
         };
         Ok((decode(frozen)?, decode(live)?))
@@ -125,15 +121,13 @@ impl Store {
     pub async fn scan_frozen(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         kept: bool,
         cursor: u64,
         count: usize,
     ) -> Result<(u64, Vec<Record>), StoreError> {
         let keys = self.keys(partition);
-        let (live, frozen) =
-            (keys.records(brand_id, place_id), keys.frozen_records(brand_id, place_id));
+        let (live, frozen) = (keys.records(place), keys.frozen_records(place));
         let (next, flat): (u64, Vec<Vec<u8>>) = self
             .query(
                 redis::cmd("HSCAN")
@@ -159,8 +153,8 @@ impl Store {
             else {
                 continue;
             };
-            let slot = self.slot(&keys, brand_id, place_id, &id, Some(&bytes))?;
-            out.extend(full_record(brand_id, place_id, id, slot));
+            let slot = self.slot(&keys, place, &id, Some(&bytes))?;
+            out.extend(full_record(place, id, slot));
         }
         Ok((next, out))
     }
@@ -171,12 +165,11 @@ impl Store {
     pub async fn keyframe_published(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         first_seq: u64,
         keep: u32,
     ) -> Result<Option<u64>, StoreError> {
-        let key = self.keys(partition).keyframes(brand_id, place_id);
+        let key = self.keys(partition).keyframes(place);
         let mut conn = self.conn.clone();
         let (oldest_kept,): (Vec<u64>,) = redis::pipe()
             .atomic()

@@ -2,6 +2,7 @@
 //! documented in the parent module is the layout written and read.
 
 use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 
 /// Key names of one partition.
 #[derive(Debug, Clone)]
@@ -13,8 +14,8 @@ impl Keys {
     pub fn new(namespace: &str, partition: Partition) -> Self {
         Self { tag: format!("{{{namespace}:p{partition}}}") }
     }
-    pub fn records(&self, brand: i64, place: i64) -> String {
-        format!("{}:r:{brand}:{place}", self.tag)
+    pub fn records(&self, place: PlaceKey) -> String {
+        format!("{}:r:{place}", self.tag)
     }
     /// The layout version the partition's keys are in (see `upgrade`).
     pub fn layout(&self) -> String {
@@ -23,18 +24,18 @@ impl Keys {
     /// Layout 1 (before the generation moved into the record bytes): a
     /// place's generations, product_id → generation and flag. Read only by
     /// the upgrade, which removes it.
-    pub fn legacy_gens(&self, brand: i64, place: i64) -> String {
-        format!("{}:g:{brand}:{place}", self.tag)
+    pub fn legacy_gens(&self, place: PlaceKey) -> String {
+        format!("{}:g:{place}", self.tag)
     }
     /// Layout 1: a place's product ids in order (paged reads), removed by the
     /// upgrade.
-    pub fn legacy_ids(&self, brand: i64, place: i64) -> String {
-        format!("{}:ids:{brand}:{place}", self.tag)
+    pub fn legacy_ids(&self, place: PlaceKey) -> String {
+        format!("{}:ids:{place}", self.tag)
     }
     /// Layout 1: the frozen values of a place's generations, removed by the
     /// upgrade.
-    pub fn legacy_frozen_gens(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfo:g:{brand}:{place}", self.tag)
+    pub fn legacy_frozen_gens(&self, place: PlaceKey) -> String {
+        format!("{}:kfo:g:{place}", self.tag)
     }
     pub fn seq(&self) -> String {
         format!("{}:seq", self.tag)
@@ -67,20 +68,20 @@ impl Keys {
         format!("{}:places", self.tag)
     }
     /// What the full import of `generation` carried to the place.
-    pub fn touched(&self, brand: i64, place: i64, generation: i64) -> String {
-        format!("{}:t:{brand}:{place}:{generation}", self.tag)
+    pub fn touched(&self, place: PlaceKey, generation: i64) -> String {
+        format!("{}:t:{place}:{generation}", self.tag)
     }
-    pub fn keyframes(&self, brand: i64, place: i64) -> String {
-        format!("{}:kf:{brand}:{place}", self.tag)
+    pub fn keyframes(&self, place: PlaceKey) -> String {
+        format!("{}:kf:{place}", self.tag)
     }
     /// Exists while a keyframe has the place frozen: every write to the
     /// place's records then keeps the value it replaces.
-    pub fn frozen_marker(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfm:{brand}:{place}", self.tag)
+    pub fn frozen_marker(&self, place: PlaceKey) -> String {
+        format!("{}:kfm:{place}", self.tag)
     }
     /// The frozen values of the place's records written since the freeze
     /// (copy on write; dropped once the keyframe is published).
-    pub fn frozen_records(&self, brand: i64, place: i64) -> String {
-        format!("{}:kfo:r:{brand}:{place}", self.tag)
+    pub fn frozen_records(&self, place: PlaceKey) -> String {
+        format!("{}:kfo:r:{place}", self.tag)
     }
 }

@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use prost::Message;
-use shelfsync_proto::{Record, RecordKey};
+use shelfsync_proto::{PlaceKey, Record, RecordKey};
 use shelfsync_settings::RedisSettings;
 
 use crate::apply::{GenEntry, Key, Slot, Touch};
@@ -217,27 +217,25 @@ impl Store {
     async fn read_slots(
         &self,
         keys: &Keys,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         ids: &[String],
     ) -> Result<Vec<Slot>, StoreError> {
         let mut pipe = redis::pipe();
-        hmget_place(&mut pipe, keys, brand_id, place_id, ids);
+        hmget_place(&mut pipe, keys, place, ids);
         let mut conn = self.conn.clone();
         let (recs,): (Column,) = pipe.query_async(&mut conn).await?;
-        self.slots_of(keys, brand_id, place_id, ids, recs)
+        self.slots_of(keys, place, ids, recs)
     }
 
     /// Decodes what [`hmget_place`] read: one slot per id, in order.
     fn slots_of(
         &self,
         keys: &Keys,
-        b: i64,
-        p: i64,
+        place: PlaceKey,
         ids: &[String],
         recs: Column,
     ) -> Result<Vec<Slot>, StoreError> {
-        ids.iter().zip(recs).map(|(id, rec)| self.slot(keys, b, p, id, rec.as_deref())).collect()
+        ids.iter().zip(recs).map(|(id, rec)| self.slot(keys, place, id, rec.as_deref())).collect()
     }
 
     /// A slot of stored record bytes: the generation moves from the record
@@ -245,22 +243,21 @@ impl Store {
     fn slot(
         &self,
         keys: &Keys,
-        b: i64,
-        p: i64,
+        place: PlaceKey,
         id: &str,
         rec: Option<&[u8]>,
     ) -> Result<Slot, StoreError> {
         let Some(bytes) = rec else { return Ok(Slot::default()) };
         let mut record = Record::decode(bytes)
-            .map_err(|e| StoreError::corrupt(&format!("{} {id}", keys.records(b, p)), e))?;
+            .map_err(|e| StoreError::corrupt(&format!("{} {id}", keys.records(place)), e))?;
         let generation = std::mem::take(&mut record.generation);
         Ok(Slot { record: Some(record), generation, ..Default::default() })
     }
 }
 
 /// Adds the `HMGET` of some of a place's records to `pipe`.
-fn hmget_place(pipe: &mut redis::Pipeline, keys: &Keys, b: i64, p: i64, ids: &[String]) {
-    pipe.cmd("HMGET").arg(keys.records(b, p)).arg(ids);
+fn hmget_place(pipe: &mut redis::Pipeline, keys: &Keys, place: PlaceKey, ids: &[String]) {
+    pipe.cmd("HMGET").arg(keys.records(place)).arg(ids);
 }
 
 /// The bytes a record is stored as: no key, its generation inside.
@@ -315,9 +312,10 @@ fn varint(buf: &mut &[u8]) -> Option<u64> {
 
 /// A slot's record as storage hands it out: key and generation filled in
 /// (neither is stored in the record bytes).
-fn full_record(b: i64, p: i64, id: impl Into<String>, slot: Slot) -> Option<Record> {
+fn full_record(place: PlaceKey, id: impl Into<String>, slot: Slot) -> Option<Record> {
     let generation = slot.generation;
-    slot.record.map(|r| Record { key: Some(RecordKey::new(b, p, id)), generation, ..r })
+    let key = |id| Some(RecordKey::new(place.brand_id, place.place_id, id));
+    slot.record.map(|r| Record { key: key(id), generation, ..r })
 }
 
 /// Decodes outbox entries as stored under `key`.

@@ -3,6 +3,7 @@
 //! in pages of a scan of a place's records.
 
 use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 use std::collections::HashMap;
 
 use base64::Engine;
@@ -75,9 +76,7 @@ impl Store {
         partitions: u32,
         key: &RecordKey,
     ) -> Result<Option<Record>, StoreError> {
-        let found = self
-            .get_many(partitions, key.brand_id, key.place_id, &[key.product_id.clone()])
-            .await?;
+        let found = self.get_many(partitions, key.place(), &[key.product_id.clone()]).await?;
         Ok(found.into_iter().next().flatten())
     }
 
@@ -85,30 +84,29 @@ impl Store {
     pub async fn place_records(
         &self,
         partitions: u32,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
     ) -> Result<Vec<Record>, StoreError> {
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
+        let keys = self.keys(Partition::of(place, partitions));
         let mut conn = self.conn.clone();
         let recs: HashMap<String, Vec<u8>> =
-            redis::cmd("HGETALL").arg(keys.records(brand_id, place_id)).query_async(&mut conn).await?;
+            redis::cmd("HGETALL").arg(keys.records(place)).query_async(&mut conn).await?;
         let mut out = Vec::with_capacity(recs.len());
         for (id, bytes) in recs {
-            let slot = self.slot(&keys, brand_id, place_id, &id, Some(&bytes))?;
-            out.extend(full_record(brand_id, place_id, id, slot));
+            let slot = self.slot(&keys, place, &id, Some(&bytes))?;
+            out.extend(full_record(place, id, slot));
         }
         Ok(out)
     }
 
     /// The places of a partition that ever held a record.
-    pub async fn places(&self, partition: Partition) -> Result<Vec<(i64, i64)>, StoreError> {
+    pub async fn places(&self, partition: Partition) -> Result<Vec<PlaceKey>, StoreError> {
         let raw: Vec<String> =
             self.query(redis::cmd("SMEMBERS").arg(self.keys(partition).places())).await?;
-        let mut out: Vec<(i64, i64)> = raw
+        let mut out: Vec<PlaceKey> = raw
             .iter()
             .filter_map(|s| {
                 let (b, p) = s.split_once(':')?;
-                Some((b.parse().ok()?, p.parse().ok()?))
+                Some(PlaceKey::new(b.parse().ok()?, p.parse().ok()?))
             })
             .collect();
         out.sort();
@@ -119,20 +117,15 @@ impl Store {
     pub async fn get_many(
         &self,
         partitions: u32,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         ids: &[String],
     ) -> Result<Vec<Option<Record>>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
-        let slots = self.read_slots(&keys, brand_id, place_id, ids).await?;
-        Ok(ids
-            .iter()
-            .zip(slots)
-            .map(|(id, slot)| full_record(brand_id, place_id, id.as_str(), slot))
-            .collect())
+        let keys = self.keys(Partition::of(place, partitions));
+        let slots = self.read_slots(&keys, place, ids).await?;
+        Ok(ids.iter().zip(slots).map(|(id, slot)| full_record(place, id.as_str(), slot)).collect())
     }
 
     /// One page of a place's records: up to `limit` of them (key and
@@ -147,18 +140,17 @@ impl Store {
     pub async fn page(
         &self,
         partitions: u32,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         cursor: &str,
         limit: usize,
     ) -> Result<(Vec<Record>, Option<String>), StoreError> {
         let mut at = PageCursor::parse(cursor)?;
-        let keys = self.keys(shelfsync_bus::partition_of(brand_id, place_id, partitions));
-        let key = keys.records(brand_id, place_id);
+        let keys = self.keys(Partition::of(place, partitions));
+        let key = keys.records(place);
         let mut out = Vec::new();
         let now: Vec<String> = at.pending.drain(..at.pending.len().min(limit)).collect();
         if !now.is_empty() {
-            let found = self.get_many(partitions, brand_id, place_id, &now).await?;
+            let found = self.get_many(partitions, place, &now).await?;
             out.extend(found.into_iter().flatten());
         }
         let mut steps = 0;
@@ -173,11 +165,11 @@ impl Store {
                 .await?;
             at.scan = (next != 0).then_some(next);
             for pair in flat.chunks_exact(2) {
-                let id = String::from_utf8(pair[0].clone())
-                    .map_err(|e| StoreError::corrupt(&key, e))?;
+                let id =
+                    String::from_utf8(pair[0].clone()).map_err(|e| StoreError::corrupt(&key, e))?;
                 if out.len() < limit {
-                    let slot = self.slot(&keys, brand_id, place_id, &id, Some(&pair[1]))?;
-                    out.extend(full_record(brand_id, place_id, id, slot));
+                    let slot = self.slot(&keys, place, &id, Some(&pair[1]))?;
+                    out.extend(full_record(place, id, slot));
                 } else {
                     at.pending.push(id);
                 }
@@ -201,7 +193,10 @@ mod tests {
         ] {
             assert_eq!(PageCursor::parse(&c.encode()).expect("parses"), c);
         }
-        assert_eq!(PageCursor::parse("").expect("start"), PageCursor { scan: Some(0), pending: vec![] });
+        assert_eq!(
+            PageCursor::parse("").expect("start"),
+            PageCursor { scan: Some(0), pending: vec![] }
+        );
         let good = PageCursor { scan: Some(5), pending: vec!["a".into()] }.encode();
         for bad in ["sku-1", "AAAA", "%%", &good[..good.len() - 1], &format!("{good}A")] {
             assert!(

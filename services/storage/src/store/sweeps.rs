@@ -4,6 +4,7 @@
 //! index of absent records.
 
 use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 use std::collections::{BTreeMap, HashSet};
 
 use prost::Message;
@@ -21,12 +22,11 @@ impl Store {
     pub async fn scan_gens(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         cursor: u64,
         count: usize,
     ) -> Result<(u64, Vec<(String, GenEntry)>), StoreError> {
-        let key = self.keys(partition).records(brand_id, place_id);
+        let key = self.keys(partition).records(place);
         let (next, flat): (u64, Vec<Vec<u8>>) =
             self.query(redis::cmd("HSCAN").arg(&key).arg(cursor).arg("COUNT").arg(count)).await?;
         let mut out = Vec::with_capacity(flat.len() / 2);
@@ -45,11 +45,10 @@ impl Store {
     pub async fn touched(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
         generation: i64,
     ) -> Result<Option<HashSet<String>>, StoreError> {
-        let key = self.keys(partition).touched(brand_id, place_id, generation);
+        let key = self.keys(partition).touched(place, generation);
         let blob: Option<Vec<u8>> = self.query(redis::cmd("GET").arg(&key)).await?;
         blob.map(|b| {
             touched_set::decode(&b).ok_or_else(|| StoreError::corrupt(&key, "bad touched set"))
@@ -61,12 +60,11 @@ impl Store {
     pub async fn held(
         &self,
         partition: Partition,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
     ) -> Result<Option<SweepOutcome>, StoreError> {
         let key = self.keys(partition).held();
         let raw: Option<Vec<u8>> =
-            self.query(redis::cmd("HGET").arg(&key).arg(format!("{brand_id}:{place_id}"))).await?;
+            self.query(redis::cmd("HGET").arg(&key).arg(place.to_string())).await?;
         raw.map(|b| decode_outcome(&key, &b)).transpose()
     }
 
@@ -83,13 +81,13 @@ impl Store {
         &self,
         partition: Partition,
         import_id: &str,
-        places: &[(i64, i64)],
+        places: &[PlaceKey],
     ) -> Result<Vec<Option<SweepOutcome>>, StoreError> {
         if places.is_empty() {
             return Ok(Vec::new());
         }
         let key = self.keys(partition).swept(import_id);
-        let fields: Vec<String> = places.iter().map(|(b, p)| format!("{b}:{p}")).collect();
+        let fields: Vec<String> = places.iter().map(PlaceKey::to_string).collect();
         let raw: Column = self.query(redis::cmd("HMGET").arg(&key).arg(&fields)).await?;
         raw.into_iter().map(|b| b.map(|b| decode_outcome(&key, &b)).transpose()).collect()
     }
@@ -111,14 +109,14 @@ impl Store {
         }
         // One HDEL per place, keeping frozen values (a keyframe may have the
         // place frozen), all in one atomic step.
-        let mut by_place: BTreeMap<(i64, i64), Vec<Vec<u8>>> = BTreeMap::new();
+        let mut by_place: BTreeMap<PlaceKey, Vec<Vec<u8>>> = BTreeMap::new();
         for (b, p, id) in members.iter().filter_map(|m| parse_member(m)) {
-            by_place.entry((b, p)).or_default().push(id.as_bytes().to_vec());
+            by_place.entry(PlaceKey::new(b, p)).or_default().push(id.as_bytes().to_vec());
         }
         let mut ops = CommitOps::new(&keys, fence, &fence.at);
-        for ((b, p), ids) in by_place {
-            let marker = keys.frozen_marker(b, p);
-            ops.kept_op(&keys.records(b, p), &marker, &keys.frozen_records(b, p), ids, 1);
+        for (place, ids) in by_place {
+            let marker = keys.frozen_marker(place);
+            ops.kept_op(&keys.records(place), &marker, &keys.frozen_records(place), ids, 1);
         }
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);

@@ -15,9 +15,10 @@
 //! Until a partition is upgraded, readers of other replicas see its records
 //! not yet moved with generation 0.
 
-use shelfsync_bus::Partition;
 use prost::Message;
 use redis::Value;
+use shelfsync_bus::Partition;
+use shelfsync_proto::PlaceKey;
 use shelfsync_proto::Record;
 
 use super::commit::CommitOps;
@@ -43,8 +44,8 @@ impl Store {
             return Ok(Some(0));
         }
         let mut moved = 0;
-        for (b, p) in self.places(partition).await? {
-            match self.upgrade_place(partition, &keys, b, p).await? {
+        for place in self.places(partition).await? {
+            match self.upgrade_place(partition, &keys, place).await? {
                 Some(n) => moved += n,
                 None => return Ok(None),
             }
@@ -57,20 +58,21 @@ impl Store {
         &self,
         partition: Partition,
         keys: &Keys,
-        b: i64,
-        p: i64,
+        place: PlaceKey,
     ) -> Result<Option<u64>, StoreError> {
-        let gens = keys.legacy_gens(b, p);
+        let gens = keys.legacy_gens(place);
         let mut moved = 0;
         // Entries are removed as they move: scan until none is left.
         loop {
             let mut cursor = 0u64;
             loop {
                 let (next, flat): (u64, Vec<Vec<u8>>) = self
-                    .query(redis::cmd("HSCAN").arg(&gens).arg(cursor).arg("COUNT").arg(UPGRADE_STEP))
+                    .query(
+                        redis::cmd("HSCAN").arg(&gens).arg(cursor).arg("COUNT").arg(UPGRADE_STEP),
+                    )
                     .await?;
                 for step in flat.chunks(2 * UPGRADE_STEP) {
-                    match self.upgrade_step(partition, keys, b, p, step).await? {
+                    match self.upgrade_step(partition, keys, place, step).await? {
                         Some(n) => moved += n,
                         None => return Ok(None),
                     }
@@ -88,8 +90,8 @@ impl Store {
         let _: u64 = self
             .query(
                 redis::cmd("UNLINK")
-                    .arg(keys.legacy_ids(b, p))
-                    .arg(keys.legacy_frozen_gens(b, p))
+                    .arg(keys.legacy_ids(place))
+                    .arg(keys.legacy_frozen_gens(place))
                     .arg(&gens),
             )
             .await?;
@@ -103,12 +105,11 @@ impl Store {
         &self,
         partition: Partition,
         keys: &Keys,
-        b: i64,
-        p: i64,
+        place: PlaceKey,
         flat: &[Vec<u8>],
     ) -> Result<Option<u64>, StoreError> {
-        let gens = keys.legacy_gens(b, p);
-        let records = keys.records(b, p);
+        let gens = keys.legacy_gens(place);
+        let records = keys.records(place);
         let ids: Vec<&[u8]> = flat.chunks_exact(2).map(|pair| pair[0].as_slice()).collect();
         let position = self.position(partition).await?;
         let recs: Column = self.query(redis::cmd("HMGET").arg(&records).arg(&ids)).await?;
@@ -132,7 +133,7 @@ impl Store {
         let moved = (sets.len() / 2) as u64;
         let fence = Fence { at: position.clone(), stream: String::new() };
         let mut ops = CommitOps::new(keys, &fence, &position);
-        let (marker, frozen) = (keys.frozen_marker(b, p), keys.frozen_records(b, p));
+        let (marker, frozen) = (keys.frozen_marker(place), keys.frozen_records(place));
         ops.kept_op(&records, &marker, &frozen, sets, 2);
         ops.op("HDEL", &gens, ids.iter().map(|id| id.to_vec()).collect(), 1);
         let mut conn = self.conn.clone();

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use prost::Message;
 use shelfsync_proto::CommandBatch;
+use shelfsync_telemetry::chain;
 use tracing::warn;
 
 use super::Worker;
@@ -36,7 +37,7 @@ impl Worker {
             return;
         }
         let subject = self.subjects.cmd(self.partition);
-        let want = 1 + (pending as usize).min(self.settings.storage.read_ahead);
+        let want = 1 + (pending as usize).min(self.config.storage.read_ahead);
         let size = |b: &CommandBatch| b.commands.len() + b.sweeps.len();
         let mut total: usize = parts.iter().map(|(_, b)| size(b)).sum();
         let mut contexts = Vec::new();
@@ -48,7 +49,7 @@ impl Worker {
                 Err(e) => {
                     if e.kind() != jetstream::stream::DirectGetErrorKind::NotFound {
                         warn!(
-                            partition = %self.partition, error = %e, pause = ?AHEAD_PAUSE,
+                            partition = %self.partition, error = %chain(&e), pause = ?AHEAD_PAUSE,
                             "reading ahead failed; one message at a time meanwhile"
                         );
                         *self.ahead_paused_until.lock().unwrap_or_else(|e| e.into_inner()) =

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind};
 use prost::Message;
 use shelfsync_proto::CommandBatch;
-use tokio::sync::watch;
+use shelfsync_service::Drain;
+use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, warn};
 
-use super::{HandleError, Handled, Worker, stopped};
+use super::{HandleError, Handled, Worker};
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
 use crate::outbox::{Outbox, TraceParts};
@@ -30,19 +31,19 @@ impl Worker {
         msg: jetstream::Message,
         stream: Option<&jetstream::stream::Stream>,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) {
         let (seq, delivered, pending) = match msg.info() {
             Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64, info.pending),
             Err(e) => {
-                error!(partition = %self.partition, error = %e, "message without metadata");
+                error!(partition = %self.partition, error = %chain(&*e), "message without metadata");
                 return;
             }
         };
         if seq <= self.committed_through.load(Ordering::Relaxed) {
             // Committed with an earlier delivery, its outbox relayed since.
             if let Err(e) = msg.ack().await {
-                warn!(partition = %self.partition, seq, error = %e, "ack failed");
+                warn!(partition = %self.partition, seq, error = %chain(&*e), "ack failed");
             }
             return;
         }
@@ -76,7 +77,7 @@ impl Worker {
                 failpoint::hit("after_publish");
                 if let Err(e) = msg.ack().await {
                     // Redelivery is harmless: the sequence check skips it.
-                    warn!(partition = %self.partition, seq, error = %e, "ack failed");
+                    warn!(partition = %self.partition, seq, error = %chain(&*e), "ack failed");
                 }
                 failpoint::hit("after_ack");
                 if matches!(handled, Handled::Skipped) {
@@ -87,7 +88,7 @@ impl Worker {
                 let delay = self.backoff(delivered);
                 warn!(
                     partition = %self.partition, seq, delivered, retry_in = ?delay,
-                    error = %e, "batch not applied; will retry"
+                    error = %chain(&e), "batch not applied; will retry"
                 );
                 self.stats.retried(matches!(e, HandleError::Fenced));
                 let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
@@ -96,7 +97,7 @@ impl Worker {
     }
 
     pub(super) fn backoff(&self, delivered: u64) -> Duration {
-        let base = self.settings.storage.retry_delay;
+        let base = self.config.storage.retry_delay;
         let factor = 1u32 << delivered.saturating_sub(1).min(6);
         (base * factor).min(Duration::from_secs(30))
     }
@@ -108,7 +109,7 @@ impl Worker {
         delivered: u64,
         ahead: Option<(&jetstream::stream::Stream, u64)>,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let trace = outbox_trace(msg);
         let batch = match shelfsync_proto::CommandBatch::decode(msg.payload.as_ref()) {
@@ -146,7 +147,7 @@ impl Worker {
                 Ok(Handled::Applied) => {
                     failpoint::hit("after_commit");
                     self.relay_until_done(relay, shutdown).await;
-                    if !*shutdown.borrow() {
+                    if !shutdown.is_started() {
                         let last = parts.last().map_or(seq, |(s, _)| *s);
                         self.committed_through.fetch_max(last, Ordering::Relaxed);
                     }
@@ -179,8 +180,8 @@ impl Worker {
     pub(crate) fn limits(&self) -> Limits {
         Limits {
             partition: self.partition.0,
-            partitions: self.settings.storage.partitions,
-            max_record_bytes: self.settings.storage.max_record_bytes,
+            partitions: self.config.storage.partitions,
+            max_record_bytes: self.config.storage.max_record_bytes,
             now_us: Self::now_us(),
         }
     }
@@ -295,13 +296,13 @@ impl Worker {
     /// every write so far (`WAIT`), however many timeouts it takes: a commit
     /// is not published nor acked before.
     pub(crate) async fn wait_replicas(&self) -> Result<(), StoreError> {
-        let want = self.settings.redis.wait_replicas;
+        let want = self.config.redis.wait_replicas;
         if want == 0 {
             return Ok(());
         }
         let mut logged = false;
         loop {
-            let have = self.store.wait_replicas(want, self.settings.redis.wait_timeout).await?;
+            let have = self.store.wait_replicas(want, self.config.redis.wait_timeout).await?;
             if have >= want {
                 return Ok(());
             }
@@ -319,23 +320,19 @@ impl Worker {
 
     /// Relays until the outbox is empty, backing off while NATS or Redis is
     /// away; gives up only on shutdown (the outbox stays for the next run).
-    pub(crate) async fn relay_until_done(
-        &self,
-        relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
-    ) {
+    pub(crate) async fn relay_until_done(&self, relay: &mut Relay, shutdown: &Drain) {
         let mut delay = Duration::from_millis(100);
         loop {
             match relay.relay().await {
                 Ok(_) => return,
                 Err(e) => {
-                    warn!(partition = %self.partition, error = %e, retry_in = ?delay, "outbox relay failed");
-                    if *shutdown.borrow() {
+                    warn!(partition = %self.partition, error = %chain(&e), retry_in = ?delay, "outbox relay failed");
+                    if shutdown.is_started() {
                         return;
                     }
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
-                        _ = stopped(shutdown) => return,
+                        _ = shutdown.started() => return,
                     }
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
@@ -368,4 +365,3 @@ fn oldest_published<'a>(
         .min()
         .unwrap_or(0)
 }
-

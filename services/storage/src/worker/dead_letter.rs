@@ -3,7 +3,7 @@
 //! partition moves past it: recorded once, it never blocks the partition.
 
 use shelfsync_proto::Rejection;
-use tokio::sync::watch;
+use shelfsync_service::Drain;
 use tracing::error;
 
 use super::{HandleError, Handled, Worker};
@@ -26,7 +26,7 @@ impl Worker {
         raw: &[u8],
         trace: &TraceParts,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         error!(partition = %self.partition, seq, reason = why, %detail, "dead-lettering command message");
         let at = self.store.position(self.partition).await?;

@@ -2,7 +2,8 @@
 //! command messages, publish it from a task, mark it and end the freeze
 //! (`crate::keyframe` has the snapshot itself and knows nothing of workers).
 
-use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, Record, msg_type};
+use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, PlaceKey, Record, msg_type};
+use shelfsync_telemetry::chain;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -25,14 +26,13 @@ const KEYFRAME_INFLIGHT: usize = 2;
 pub(super) struct PlaceSnapshot {
     keyframe_id: String,
     changes_seq: u64,
-    brand_id: i64,
-    place_id: i64,
+    place: PlaceKey,
     progress: std::sync::Arc<crate::keyframe::JobProgress>,
     last_of_job: bool,
 }
 
 /// The frozen place and the ids of its records changed since the freeze.
-pub(super) type ChangedSinceFreeze = ((i64, i64), HashSet<String>);
+pub(super) type ChangedSinceFreeze = (PlaceKey, HashSet<String>);
 
 /// A place between its freeze and its marker.
 pub(super) struct InHand {
@@ -45,7 +45,11 @@ pub(super) struct InHand {
 }
 
 impl Worker {
-    pub(super) async fn plan_snapshots(&self, job: KeyframeJob, queue: &mut VecDeque<PlaceSnapshot>) {
+    pub(super) async fn plan_snapshots(
+        &self,
+        job: KeyframeJob,
+        queue: &mut VecDeque<PlaceSnapshot>,
+    ) {
         let places = match job.place {
             Some(place) => vec![place],
             None => match self.store.places(self.partition).await {
@@ -63,12 +67,11 @@ impl Worker {
             return;
         }
         let n = places.len();
-        for (i, (b, p)) in places.into_iter().enumerate() {
+        for (i, place) in places.into_iter().enumerate() {
             queue.push_back(PlaceSnapshot {
                 keyframe_id: job.keyframe_id.clone(),
                 changes_seq: job.changes_seq,
-                brand_id: b,
-                place_id: p,
+                place,
                 progress: job.progress.clone(),
                 last_of_job: i + 1 == n,
             });
@@ -87,13 +90,11 @@ impl Worker {
             "storage.keyframe_place",
             partition = self.partition.0,
             keyframe_id = %s.keyframe_id,
-            brand_id = s.brand_id,
-            place_id = s.place_id,
+            brand_id = s.place.brand_id,
+            place_id = s.place.place_id,
         );
-        let frozen = self
-            .freeze(&s.keyframe_id, s.changes_seq, s.brand_id, s.place_id)
-            .instrument(span.clone())
-            .await;
+        let frozen =
+            self.freeze(&s.keyframe_id, s.changes_seq, s.place).instrument(span.clone()).await;
         self.stats.keyframe_place_held(started.elapsed());
         let frozen = match frozen {
             Ok(f) => f,
@@ -103,13 +104,13 @@ impl Worker {
             }
         };
         *self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(((s.brand_id, s.place_id), HashSet::new()));
+            Some((s.place, HashSet::new()));
         let this = self.clone();
         let f = frozen.clone();
         let task = self.keyframe_limits.spawn(
             async move {
                 let live = KeyframeIo { js: this.js.clone(), store: this.store.clone() };
-                let io = this.keyframe_limits.io(&this.settings, live).await;
+                let io = this.keyframe_limits.io(&this.config, live).await;
                 let mut publisher = Publisher::new(io.js.clone(), KEYFRAME_INFLIGHT);
                 let published = this.publish_frozen(&f, &io, &mut publisher).await;
                 drop(permit);
@@ -144,10 +145,10 @@ impl Worker {
             Err(e) => Err(anyhow::anyhow!("keyframe task: {e}")),
         };
         let f = &hand.frozen;
-        if let Err(e) = self.store.thaw_place(self.partition, f.brand_id, f.place_id).await {
+        if let Err(e) = self.store.thaw_place(self.partition, f.place).await {
             warn!(
-                partition = %self.partition, brand_id = f.brand_id, place_id = f.place_id,
-                error = %e, "dropping a frozen place failed (it expires)"
+                partition = %self.partition, brand_id = f.place.brand_id, place_id = f.place.place_id,
+                error = %chain(&e), "dropping a frozen place failed (it expires)"
             );
         }
         self.snapshot_done(&hand.snapshot, result, hand.started).await;
@@ -156,9 +157,9 @@ impl Worker {
     /// Notes the records of the frozen place that a commit changed.
     pub(crate) fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
         let mut tracked = self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(((b, p), ids)) = tracked.as_mut() {
-            for ((kb, kp, id), slot) in slots {
-                if kb == b && kp == p && slot.record_dirty {
+        if let Some((place, ids)) = tracked.as_mut() {
+            for ((b, p, id), slot) in slots {
+                if PlaceKey::new(*b, *p) == *place && slot.record_dirty {
                     ids.insert(id.clone());
                 }
             }
@@ -175,11 +176,11 @@ impl Worker {
             Ok(records) => s.progress.place_done(records),
             Err(e) => {
                 warn!(
-                    partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
-                    error = format!("{e:#}"), "place keyframe failed"
+                    partition = %self.partition, brand_id = s.place.brand_id, place_id = s.place.place_id,
+                    error = %chain(e.as_ref()), "place keyframe failed"
                 );
                 s.progress
-                    .place_failed(format!("place {}/{}: {e:#}", s.brand_id, s.place_id))
+                    .place_failed(format!("place {}/{}: {e:#}", s.place.brand_id, s.place.place_id))
                     .await;
             }
         }
@@ -196,20 +197,17 @@ impl Worker {
         &self,
         keyframe_id: &str,
         changes_seq: u64,
-        brand_id: i64,
-        place_id: i64,
+        place: PlaceKey,
     ) -> anyhow::Result<Frozen> {
-        let command_seq =
-            self.store.freeze_place(self.partition, brand_id, place_id, FROZEN_TTL).await?;
+        let command_seq = self.store.freeze_place(self.partition, place, FROZEN_TTL).await?;
         let as_of = Self::now_us();
         Ok(Frozen {
             keyframe_id: keyframe_id.to_string(),
             changes_seq,
-            brand_id,
-            place_id,
+            place,
             command_seq,
             as_of,
-            tombstone_cutoff: as_of - self.settings.storage.tombstone_ttl.as_micros() as i64,
+            tombstone_cutoff: as_of - self.config.storage.tombstone_ttl.as_micros() as i64,
         })
     }
 
@@ -225,11 +223,11 @@ impl Worker {
     ) -> anyhow::Result<Digest> {
         let started = Instant::now();
         let partition = self.partition;
-        let subject = self.subjects.keyframes(f.brand_id, f.place_id);
+        let subject = self.subjects.keyframes(f.place.brand_id, f.place.place_id);
         let part_of = |part: u32, records: Vec<Record>, first_seq: Option<u64>| KeyframeBatch {
             keyframe_id: f.keyframe_id.clone(),
-            brand_id: f.brand_id,
-            place_id: f.place_id,
+            brand_id: f.place.brand_id,
+            place_id: f.place.place_id,
             part,
             records,
             as_of: f.as_of,
@@ -250,9 +248,9 @@ impl Worker {
         // that the first pass did not meet (deleted since). Each step is
         // read while the one before is encoded and published.
         let scan = |kept: bool, cursor: u64| {
-            let (store, b, p) = (io.store.clone(), f.brand_id, f.place_id);
+            let (store, place) = (io.store.clone(), f.place);
             tokio::spawn(async move {
-                store.scan_frozen(partition, b, p, kept, cursor, SCAN_COUNT).await
+                store.scan_frozen(partition, place, kept, cursor, SCAN_COUNT).await
             })
         };
         let mut kept = false;
@@ -304,19 +302,19 @@ impl Worker {
         let first_seq = first_seq.unwrap_or(seq);
         publisher.flush().await?;
 
-        let keep = self.settings.storage.keyframes_kept;
+        let keep = self.config.storage.keyframes_kept;
         if let Some(oldest_kept) =
-            io.store.keyframe_published(partition, f.brand_id, f.place_id, first_seq, keep).await?
+            io.store.keyframe_published(partition, f.place, first_seq, keep).await?
         {
             let stream = io.js.get_stream(self.subjects.keyframes_stream()).await?;
             if let Err(e) = stream.purge().filter(&subject).sequence(oldest_kept).await {
-                warn!(%subject, error = %e, "purging old keyframes failed");
+                warn!(%subject, error = %chain(&e), "purging old keyframes failed");
             }
         }
         self.stats.keyframe_records(digest.count);
         tracing::debug!(
-            brand_id = f.brand_id,
-            place_id = f.place_id,
+            brand_id = f.place.brand_id,
+            place_id = f.place.place_id,
             records = digest.count,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "place keyframe published"
@@ -341,8 +339,7 @@ impl Worker {
         let mut digest = frozen;
         let ids: Vec<String> = changed.iter().cloned().collect();
         for chunk in ids.chunks(MARK_CHUNK) {
-            let (then, now) =
-                self.store.frozen_and_live(partition, f.brand_id, f.place_id, chunk).await?;
+            let (then, now) = self.store.frozen_and_live(partition, f.place, chunk).await?;
             let sides = chunk.iter().map(String::as_str).zip(then).zip(now);
             digest = digest_at_mark(digest, f, sides.map(|((id, then), now)| (id, then, now)));
         }
@@ -361,8 +358,8 @@ impl Worker {
         };
         publisher
             .publish(
-                self.subjects.changes(f.brand_id, f.place_id),
-                format!("kfm:{}:{}:{}:{}", f.keyframe_id, f.brand_id, f.place_id, f.as_of),
+                self.subjects.changes(f.place.brand_id, f.place.place_id),
+                format!("kfm:{}:{}:{}", f.keyframe_id, f.place, f.as_of),
                 msg_type::CHANGE_BATCH,
                 None,
                 mark.encode_to_vec().into(),

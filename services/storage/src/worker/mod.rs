@@ -52,15 +52,17 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use shelfsync_bus::{Partition, Publisher, Subjects};
-use shelfsync_settings::Settings;
-use tokio::sync::{mpsc, watch};
+use shelfsync_service::Drain;
+use shelfsync_telemetry::chain;
+use tokio::sync::mpsc;
 use tracing::{Instrument, error, info, warn};
 
+use crate::config::Config;
 use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::Known;
-use crate::relay::Relay;
 use crate::metrics::Stats;
 use crate::readiness::Readiness;
+use crate::relay::Relay;
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod ahead;
@@ -81,7 +83,7 @@ const REFUSED_POLL: Duration = Duration::from_secs(2);
 
 /// What every partition worker of a replica shares.
 pub(crate) struct Shared {
-    pub settings: Arc<Settings>,
+    pub config: Arc<Config>,
     pub subjects: Subjects,
     pub js: jetstream::Context,
     pub store: Store,
@@ -98,7 +100,7 @@ pub(crate) struct Shared {
 /// [`Worker::new`], run by [`Worker::run`].
 pub(crate) struct Worker {
     partition: Partition,
-    settings: Arc<Settings>,
+    config: Arc<Config>,
     subjects: Subjects,
     js: jetstream::Context,
     store: Store,
@@ -160,7 +162,7 @@ impl Worker {
     pub(crate) fn new(partition: Partition, shared: &Shared) -> Self {
         Worker {
             partition,
-            settings: shared.settings.clone(),
+            config: shared.config.clone(),
             subjects: shared.subjects.clone(),
             js: shared.js.clone(),
             store: shared.store.clone(),
@@ -172,7 +174,7 @@ impl Worker {
             committed_through: Default::default(),
             ahead_paused_until: Default::default(),
             stream_identity: Default::default(),
-            known: std::sync::Mutex::new(Known::new(shared.settings.storage.known_records)),
+            known: std::sync::Mutex::new(Known::new(shared.config.storage.known_records)),
         }
     }
 
@@ -197,7 +199,7 @@ impl Worker {
             description: Some(format!("shelfsync storage, partition {}", self.partition)),
             filter_subject: self.subjects.cmd(self.partition),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: self.settings.storage.ack_wait,
+            ack_wait: self.config.storage.ack_wait,
             // One message at a time is what keeps a partition in order, also
             // across redeliveries.
             max_ack_pending: 1,
@@ -220,10 +222,7 @@ impl Worker {
     /// out, and one slow answer must not stop the replica. A command stream
     /// other than the one the partition's sequence counts in is refused until
     /// an operator re-bases the partition. `None`: shutdown.
-    async fn bind(
-        &self,
-        shutdown: &mut watch::Receiver<bool>,
-    ) -> Option<(jetstream::stream::Stream, pull::Stream)> {
+    async fn bind(&self, shutdown: &Drain) -> Option<(jetstream::stream::Stream, pull::Stream)> {
         let mut delay = Duration::from_millis(500);
         let mut refused_logged = false;
         loop {
@@ -278,17 +277,17 @@ impl Worker {
                     }
                     self.ready.refuse(self.partition.0, found);
                     tokio::select! {
-                        _ = stopped(shutdown) => return None,
+                        _ = shutdown.started() => return None,
                         _ = tokio::time::sleep(REFUSED_POLL) => {}
                     }
                 }
                 Err(e) => {
                     warn!(
-                        partition = %self.partition, retry_in = ?delay, error = format!("{e:#}"),
+                        partition = %self.partition, retry_in = ?delay, error = %chain(e.as_ref()),
                         "cannot bind the command consumer; retrying"
                     );
                     tokio::select! {
-                        _ = stopped(shutdown) => return None,
+                        _ = shutdown.started() => return None,
                         _ = tokio::time::sleep(delay) => {}
                     }
                     delay = (delay * 2).min(CONSUMER_RETRY_MAX);
@@ -325,7 +324,7 @@ impl Worker {
     /// the partition goes on, and the next place waits for that task.
     pub async fn run(
         self: Arc<Self>,
-        mut shutdown: watch::Receiver<bool>,
+        shutdown: Drain,
         mut jobs: mpsc::Receiver<KeyframeJob>,
     ) -> anyhow::Result<()> {
         let mut relay = Relay::start(
@@ -333,7 +332,7 @@ impl Worker {
             self.store.clone(),
             self.js.clone(),
             self.subjects.clone(),
-            self.settings.nats.max_inflight,
+            self.config.nats.max_inflight,
             self.stats.clone(),
         )
         .await;
@@ -341,34 +340,34 @@ impl Worker {
         // first, also while the partition is refused (it is committed work).
         {
             let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
-            self.relay_until_done(&mut relay, &mut shutdown).instrument(span).await;
+            self.relay_until_done(&mut relay, &shutdown).instrument(span).await;
         }
-        let Some((stream, mut messages)) = self.bind(&mut shutdown).await else { return Ok(()) };
+        let Some((stream, mut messages)) = self.bind(&shutdown).await else { return Ok(()) };
         // Keyframe markers.
-        let mut publisher = Publisher::new(self.js.clone(), self.settings.nats.max_inflight);
+        let mut publisher = Publisher::new(self.js.clone(), self.config.nats.max_inflight);
         // For reading ahead (direct gets on the command stream).
         let stream = (stream.cached_info().config.allow_direct
-            && self.settings.storage.read_ahead > 0)
+            && self.config.storage.read_ahead > 0)
             .then_some(stream);
         self.ready.worker_bound();
-        let mut purge = tokio::time::interval(self.settings.storage.purge_interval);
+        let mut purge = tokio::time::interval(self.config.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
         let mut in_hand: Option<InHand> = None;
         // Its own receiver: one the handlers wait on could miss the change.
-        let mut stop = shutdown.clone();
+        let stop = shutdown.clone();
         loop {
-            if *stop.borrow() {
+            if stop.is_started() {
                 break;
             }
             tokio::select! {
                 biased;
-                _ = stopped(&mut stop) => break,
+                _ = stop.started() => break,
                 next = messages.next() => {
                     let msg = match next {
                         Some(Ok(msg)) => msg,
                         Some(Err(e)) if !self.consumer_missing(&e).await => {
-                            warn!(partition = %self.partition, error = %e, "pull failed; retrying");
+                            warn!(partition = %self.partition, error = %chain(&e), "pull failed; retrying");
                             tokio::time::sleep(Duration::from_millis(200)).await;
                             continue;
                         }
@@ -379,12 +378,12 @@ impl Worker {
                         // are only acked.
                         _ => {
                             warn!(partition = %self.partition, "command consumer gone; binding it again");
-                            let Some((_, m)) = self.bind(&mut shutdown).await else { break };
+                            let Some((_, m)) = self.bind(&shutdown).await else { break };
                             messages = m;
                             continue;
                         }
                     };
-                    self.process(msg, stream.as_ref(), &mut relay, &mut shutdown).await;
+                    self.process(msg, stream.as_ref(), &mut relay, &shutdown).await;
                 }
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
                 published = async { (&mut in_hand.as_mut().expect("guarded").task).await },
@@ -400,7 +399,7 @@ impl Worker {
                         in_hand = self.start_snapshot(s, permit).await;
                     }
                 }
-                _ = purge.tick() => self.purge(&mut relay, &mut shutdown).await,
+                _ = purge.tick() => self.purge(&mut relay, &shutdown).await,
             }
         }
         // A keyframe on its way is finished, marker included: a reader would
@@ -435,9 +434,4 @@ impl Worker {
 fn stream_identity(stream: &jetstream::stream::Stream) -> String {
     let info = stream.cached_info();
     format!("{}@{}", info.config.name, info.created.unix_timestamp_nanos())
-}
-
-/// Resolves once shutdown is asked (at once if it was already).
-async fn stopped(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|stop| *stop).await;
 }

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Origin};
-use tokio::sync::watch;
+use shelfsync_service::Drain;
+use shelfsync_telemetry::chain;
 use tracing::{debug, info, warn};
 
 use super::{HandleError, Worker};
@@ -21,17 +22,17 @@ impl Worker {
     /// Between messages: purges tombstones older than `tombstone_ttl` and
     /// records absent for longer than `absent_ttl` (a DELETED change each),
     /// every write fenced by the partition's position like a commit.
-    pub(super) async fn purge(&self, relay: &mut Relay, shutdown: &mut watch::Receiver<bool>) {
+    pub(super) async fn purge(&self, relay: &mut Relay, shutdown: &Drain) {
         let at = match self.store.position(self.partition).await {
             Ok(at) if at.step.is_empty() => at,
             Ok(_) => return, // a message is half applied: it goes first
             Err(e) => {
-                warn!(partition = %self.partition, error = %e, "purge: cannot read the position");
+                warn!(partition = %self.partition, error = %chain(&e), "purge: cannot read the position");
                 return;
             }
         };
         let fence = Fence { at, stream: self.stream_identity() };
-        let cutoff = Self::now_us() - self.settings.storage.tombstone_ttl.as_micros() as i64;
+        let cutoff = Self::now_us() - self.config.storage.tombstone_ttl.as_micros() as i64;
         match self.store.purge_tombstones(self.partition, &fence, cutoff, PURGE_BATCH).await {
             Ok(Some(0)) => {}
             Ok(Some(n)) => {
@@ -39,10 +40,12 @@ impl Worker {
                 self.stats.tombstones_purged(n as u64);
             }
             Ok(None) => warn!(partition = %self.partition, "tombstone purge fenced; skipped"),
-            Err(e) => warn!(partition = %self.partition, error = %e, "tombstone purge failed"),
+            Err(e) => {
+                warn!(partition = %self.partition, error = %chain(&e), "tombstone purge failed")
+            }
         }
         if let Err(e) = self.purge_absent(&fence, relay, shutdown).await {
-            warn!(partition = %self.partition, error = %e, "absent purge failed");
+            warn!(partition = %self.partition, error = %chain(&e), "absent purge failed");
         }
         // Entries an operator put back (`shelfsync dead-letters redrive`)
         // go out even when no command comes.
@@ -57,9 +60,9 @@ impl Worker {
         &self,
         fence: &Fence,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) -> Result<(), HandleError> {
-        let ttl = self.settings.storage.absent_ttl;
+        let ttl = self.config.storage.absent_ttl;
         if ttl.is_zero() {
             return Ok(());
         }

@@ -18,16 +18,16 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use tokio::sync::watch;
 use shelfsync_proto::{CommandBatch, RecordKey, Rejection, Sweep, SweepOutcome};
+use shelfsync_service::Drain;
 use tracing::{debug, warn};
 
+use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
 use crate::apply::{apply_batch, reason};
 use crate::outbox::TraceParts;
 use crate::relay::Relay;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
-use super::{HandleError, Handled, Worker};
 
 /// Records one sweep step marks absent at most (and generation entries one
 /// census step reads).
@@ -89,7 +89,7 @@ struct StepCtx<'a> {
     fence: &'a mut Fence,
     trace: &'a TraceParts,
     relay: &'a mut Relay,
-    shutdown: &'a mut watch::Receiver<bool>,
+    shutdown: &'a Drain,
 }
 
 /// Keeps JetStream from redelivering a message that takes long.
@@ -117,7 +117,7 @@ impl Worker {
         batch: &CommandBatch,
         trace: &TraceParts,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let p = self.partition;
         let at = self.store.position(p).await?;
@@ -137,7 +137,8 @@ impl Worker {
             if loaded.at != fence.at {
                 return Err(HandleError::Fenced);
             }
-            let outcome = apply_batch(&commands, &mut loaded.slots, &Default::default(), &self.limits());
+            let outcome =
+                apply_batch(&commands, &mut loaded.slots, &Default::default(), &self.limits());
             step.commands_done = true;
             let (outbox, next_part) = self.outbox(trace, relay).entries(
                 seq,
@@ -163,17 +164,17 @@ impl Worker {
             let s = &batch.sweeps[step.sweep];
             let last = step.sweep + 1 == batch.sweeps.len();
             // What the import carried to the place (committed with its commands).
-            let carried = self.store.touched(p, s.brand_id, s.place_id, s.generation).await?;
+            let carried = self.store.touched(p, s.place(), s.generation).await?;
             let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
             let census = match step.applying {
                 Some(census) => census,
                 None => {
                     let census = self.census(s, &spared, &mut alive).await?;
-                    let held = self.store.held(p, s.brand_id, s.place_id).await?;
+                    let held = self.store.held(p, s.place()).await?;
                     match sweep::decide(s, census, carried.is_some(), held.as_ref()) {
                         Decision::Apply => census,
                         decision => {
-                            let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown: &mut *shutdown };
+                            let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown };
                             self.skip_sweep(seq, s, &mut step, decision, census, last, ctx).await?;
                             self.stats.sweep_done();
                             continue;
@@ -185,15 +186,14 @@ impl Worker {
             let mut cursor = 0;
             loop {
                 alive.tick().await;
-                let (next, column) =
-                    self.store.scan_gens(p, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
+                let (next, column) = self.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
                     .into_iter()
                     .filter(|(id, e)| sweep::is_candidate(e, s.generation) && !spared(id))
                     .map(|(id, _)| id)
                     .collect();
                 if !ids.is_empty() {
-                    let mut slots = self.store.load_place(p, s.brand_id, s.place_id, &ids).await?;
+                    let mut slots = self.store.load_place(p, s.place(), &ids).await?;
                     let now = Self::now_us();
                     let mut changes = Vec::new();
                     for id in &ids {
@@ -214,7 +214,12 @@ impl Worker {
                             Vec::new(),
                         );
                         step.part = next_part;
-                        let writes = Writes { slots: Some(&slots), touched: &[], outbox: &outbox, sweeps: &[] };
+                        let writes = Writes {
+                            slots: Some(&slots),
+                            touched: &[],
+                            outbox: &outbox,
+                            sweeps: &[],
+                        };
                         self.commit_step(&mut fence, &step, false, &writes, relay, shutdown)
                             .await?;
                         self.note_changed(&slots);
@@ -226,7 +231,8 @@ impl Worker {
                 }
                 cursor = next;
             }
-            let mut outcome = sweep::outcome(s, Decision::Apply, census, step.marked, Self::now_us());
+            let mut outcome =
+                sweep::outcome(s, Decision::Apply, census, step.marked, Self::now_us());
             outcome.command_seq = seq;
             debug!(
                 partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
@@ -236,7 +242,12 @@ impl Worker {
             step.sweep += 1;
             step.applying = None;
             step.marked = 0;
-            let writes = Writes { slots: None, touched: &[], outbox: &[], sweeps: std::slice::from_ref(&outcome) };
+            let writes = Writes {
+                slots: None,
+                touched: &[],
+                outbox: &[],
+                sweeps: std::slice::from_ref(&outcome),
+            };
             self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
             self.stats.sweep_done();
         }
@@ -275,13 +286,23 @@ impl Worker {
                 import_id = %s.import_id, why = %outcome.reason, "sweep refused, nothing marked absent"
             );
         }
-        let (outbox, next_part) =
-            self.outbox(trace, relay).entries(seq, &seq.to_string(), step.part, Vec::new(), rejections);
+        let (outbox, next_part) = self.outbox(trace, relay).entries(
+            seq,
+            &seq.to_string(),
+            step.part,
+            Vec::new(),
+            rejections,
+        );
         step.part = next_part;
         step.sweep += 1;
         step.applying = None;
         step.marked = 0;
-        let writes = Writes { slots: None, touched: &[], outbox: &outbox, sweeps: std::slice::from_ref(&outcome) };
+        let writes = Writes {
+            slots: None,
+            touched: &[],
+            outbox: &outbox,
+            sweeps: std::slice::from_ref(&outcome),
+        };
         self.commit_step(fence, step, last, &writes, relay, shutdown).await
     }
 
@@ -299,7 +320,7 @@ impl Worker {
         loop {
             alive.tick().await;
             let (next, column) =
-                self.store.scan_gens(self.partition, s.brand_id, s.place_id, cursor, SWEEP_STEP).await?;
+                self.store.scan_gens(self.partition, s.place(), cursor, SWEEP_STEP).await?;
             for (id, e) in column {
                 // A rehash can return a field twice.
                 if seen.insert(xxhash_rust::xxh3::xxh3_64(id.as_bytes())) {
@@ -322,7 +343,7 @@ impl Worker {
         last: bool,
         writes: &Writes<'_>,
         relay: &mut Relay,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &Drain,
     ) -> Result<(), HandleError> {
         let to = if last {
             Position::at(step.seq)
@@ -336,7 +357,7 @@ impl Worker {
         fence.at = to;
         self.wait_replicas().await?;
         self.relay_until_done(relay, shutdown).await;
-        if *shutdown.borrow() && !last {
+        if shutdown.is_started() && !last {
             return Err(HandleError::Stopping);
         }
         Ok(())
