@@ -265,22 +265,6 @@ impl Handler for Mirror {
     }
 }
 
-/// Every record of the places as storage holds them.
-async fn storage_records(h: &Harness, places: &[i64]) -> HashMap<Key, Record> {
-    let mut out = HashMap::new();
-    for &p in places {
-        for r in h
-            .store
-            .place_records(h.settings.storage.partitions, (BRAND, p).into())
-            .await
-            .expect("scan")
-        {
-            let k = r.key.clone().expect("key");
-            out.insert((k.brand_id, k.place_id, k.product_id), r);
-        }
-    }
-    out
-}
 
 fn same_records(a: &HashMap<Key, Record>, b: &HashMap<Key, Record>) -> Result<(), String> {
     if a.len() != b.len() {
@@ -344,7 +328,7 @@ async fn assert_serial_outcome(h: &Harness, places: &[i64], items: usize) {
             from_stream.insert(key, after);
         }
     }
-    let stored = storage_records(h, places).await;
+    let stored = h.records_of(BRAND, places).await.expect("scan");
     for &place in places {
         for i in 0..items {
             let r = &stored[&(BRAND, place, sku(i))];
@@ -614,7 +598,7 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     eprintln!("[{:?}] settled", started.elapsed());
 
     assert_serial_outcome(&h, &places, ITEMS).await;
-    let stored = storage_records(&h, &places).await;
+    let stored = h.records_of(BRAND, &places).await.expect("scan");
     eventually(Duration::from_secs(60), "the live mirror to equal storage", || async {
         same_records(&mirror.records.lock().expect("lock"), &stored).is_ok()
     })

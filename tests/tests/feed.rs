@@ -1,40 +1,15 @@
 //! The ChangeFeed kit against real servers: bootstrap from a keyframe while
 //! writes continue, and repair of a consumer that missed changes.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
-use shelfsync_proto::Record;
+use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus};
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
 
-type Key = (i64, i64, String);
-
 /// A consumer that mirrors storage's records: the simplest possible service.
-#[derive(Clone, Default)]
-struct Replica {
-    records: Arc<Mutex<HashMap<Key, Record>>>,
-}
-
-impl Handler for Replica {
-    async fn apply(&mut self, updates: &[Update]) -> Result<(), HandlerError> {
-        let mut m = self.records.lock().expect("lock");
-        for u in updates {
-            let k = (u.key.brand_id, u.key.place_id, u.key.product_id.clone());
-            m.insert(k, u.after.clone());
-        }
-        Ok(())
-    }
-
-    async fn reset_place(&mut self, place: shelfsync_feed::PlaceKey) -> Result<(), HandlerError> {
-        let shelfsync_feed::PlaceKey { brand_id, place_id } = place;
-        self.records.lock().expect("lock").retain(|(b, p, _), _| (*b, *p) != (brand_id, place_id));
-        Ok(())
-    }
-}
+type Replica = FeedMirror;
 
 fn start_feed(h: &Harness, name: &str, replica: Replica) -> RunningFeed {
     let feed = ChangeFeed::new(h.client.clone(), &h.settings.nats, FeedConfig::new(name));
@@ -51,29 +26,6 @@ async fn start_bootstrapped_feed(h: &Harness, name: &str, replica: Replica) -> R
     running
 }
 
-/// Every record of storage in the places, compared with the replica.
-async fn assert_replica_equals_storage(h: &Harness, replica: &Replica, places: &[i64]) {
-    let mut expected = HashMap::new();
-    for &p in places {
-        for r in h
-            .store
-            .place_records(h.settings.storage.partitions, (BRAND, p).into())
-            .await
-            .expect("scan")
-        {
-            let k = r.key.clone().expect("key");
-            expected.insert((k.brand_id, k.place_id, k.product_id), r);
-        }
-    }
-    let got = replica.records.lock().expect("lock").clone();
-    assert_eq!(got.len(), expected.len(), "record count");
-    for (k, want) in &expected {
-        let have = got.get(k).unwrap_or_else(|| panic!("replica misses {k:?}"));
-        assert_eq!(have.updated_at, want.updated_at, "{k:?}");
-        assert_eq!(have.data, want.data, "{k:?}");
-        assert_eq!(have.absent, want.absent, "{k:?}");
-    }
-}
 
 async fn write(h: &Harness, places: &[i64], items: usize, price_base: i64) {
     let mut cmds = Vec::new();
@@ -129,7 +81,7 @@ async fn bootstrap_from_a_keyframe_while_writes_continue_ends_equal_to_storage()
             && FeedStatus::get(&status.position) >= last
     })
     .await;
-    assert_replica_equals_storage(&h, &replica, &places).await;
+    replica.assert_equals_storage(&h, BRAND, &places).await;
     // The keyframe the consumer asked for was used, and nothing needed repair.
     assert_eq!(FeedStatus::get(&status.drift_repairs), 0);
     running.stop().await;
@@ -185,7 +137,7 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
     })
     .await;
     assert_eq!(FeedStatus::get(&status.drift_repairs), 1, "place 2 did not drift");
-    assert_replica_equals_storage(&h, &replica, &[1, 2]).await;
+    replica.assert_equals_storage(&h, BRAND, &[1, 2]).await;
     running.stop().await;
 }
 
@@ -253,6 +205,6 @@ async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
         FeedStatus::get(&status.drift_repairs) == 1 && have == 300 + written
     })
     .await;
-    assert_replica_equals_storage(&h, &replica, &[1]).await;
+    replica.assert_equals_storage(&h, BRAND, &[1]).await;
     running.stop().await;
 }

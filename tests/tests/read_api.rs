@@ -457,24 +457,18 @@ async fn nats_reads_equal_storage_state_and_refuse_bad_requests() {
     refused(&api.nats("place", &over).await, "page over the limit");
     // The old contract's `after`: an error that points to `cursor`, not a
     // page read some other way.
-    let old = ReadRequest {
+    let page = |after: &str, cursor: &str| ReadRequest {
         brand_id: BRAND,
         place_id: 1,
-        after: "sku-1".into(),
+        after: after.into(),
+        cursor: cursor.into(),
         limit: 5,
         ..Default::default()
     };
-    let reply = api.nats("place", &old).await;
+    let reply = api.nats("place", &page("sku-1", "")).await;
     refused(&reply, "page after a product id");
     assert!(reply.error.contains("cursor"), "{}", reply.error);
-    let bad = ReadRequest {
-        brand_id: BRAND,
-        place_id: 1,
-        cursor: "%%".into(),
-        limit: 5,
-        ..Default::default()
-    };
-    let reply = api.nats("place", &bad).await;
+    let reply = api.nats("place", &page("", "%%")).await;
     refused(&reply, "bad cursor");
     assert!(reply.error.contains("cursor"), "{}", reply.error);
 }

@@ -258,20 +258,26 @@ mod tests {
         }
     }
 
-    fn outbox_of(max_bytes: usize) -> (Subjects, TraceParts, usize) {
-        (Subjects::new("t"), TraceParts::default(), max_bytes)
+    /// An outbox of `partition` with the stream floors `floors`, for
+    /// payloads up to `max_bytes`.
+    fn outbox<'a>(
+        subjects: &'a Subjects,
+        trace: &'a TraceParts,
+        partition: u32,
+        max_bytes: usize,
+        floors: (u64, u64),
+    ) -> Outbox<'a> {
+        Outbox { partition: Partition(partition), subjects, max_bytes, floors, trace }
+    }
+
+    fn plain() -> (Subjects, TraceParts) {
+        (Subjects::new("t"), TraceParts::default())
     }
 
     #[test]
     fn ids_are_the_same_on_every_replay_and_parts_continue() {
-        let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox {
-            partition: Partition(3),
-            subjects: &subjects,
-            max_bytes: max,
-            floors: (10, 20),
-            trace: &trace,
-        };
+        let ((subjects, trace), max) = (plain(), 64 * 1024);
+        let o = outbox(&subjects, &trace, 3, max, (10, 20));
         let (a, next) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         let (b, _) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         assert_eq!(a, b);
@@ -281,14 +287,8 @@ mod tests {
 
     #[test]
     fn a_change_over_the_limit_goes_out_without_its_before_data() {
-        let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox {
-            partition: Partition(0),
-            subjects: &subjects,
-            max_bytes: max,
-            floors: (0, 0),
-            trace: &trace,
-        };
+        let ((subjects, trace), max) = (plain(), 64 * 1024);
+        let o = outbox(&subjects, &trace, 0, max, (0, 0));
         let (e, _) = o.entries(1, "1", 0, vec![change("big", 40 * 1024)], vec![]);
         let batch = ChangeBatch::decode(e[0].payload.as_slice()).expect("a change batch");
         assert!(batch.changes[0].before_omitted);
@@ -299,14 +299,8 @@ mod tests {
 
     #[test]
     fn a_rejection_of_a_huge_command_is_reduced_to_fit() {
-        let (subjects, trace, max) = outbox_of(64 * 1024);
-        let o = Outbox {
-            partition: Partition(0),
-            subjects: &subjects,
-            max_bytes: max,
-            floors: (0, 0),
-            trace: &trace,
-        };
+        let ((subjects, trace), max) = (plain(), 64 * 1024);
+        let o = outbox(&subjects, &trace, 0, max, (0, 0));
         let r = Rejection {
             command: Some(Command {
                 key: Some(RecordKey::new(7, 1, "x")),
@@ -330,14 +324,8 @@ mod tests {
 
     #[test]
     fn a_refused_entry_is_halved_then_reduced_then_given_up() {
-        let (subjects, trace, max) = outbox_of(1 << 20);
-        let o = Outbox {
-            partition: Partition(0),
-            subjects: &subjects,
-            max_bytes: max,
-            floors: (0, 0),
-            trace: &trace,
-        };
+        let ((subjects, trace), max) = (plain(), 1 << 20);
+        let o = outbox(&subjects, &trace, 0, max, (0, 0));
         let (e, _) = o.entries(1, "1", 0, vec![change("a", 1000), change("b", 1000)], vec![]);
         let halves = smaller(&e[0]).expect("two halves");
         assert_eq!(halves.len(), 2);
@@ -375,13 +363,7 @@ mod tests {
             tracestate: String::new(),
             baggage: "tenant=acme".into(),
         };
-        let o = Outbox {
-            partition: Partition(0),
-            subjects: &subjects,
-            max_bytes: 1 << 20,
-            floors: (3, 4),
-            trace: &trace,
-        };
+        let o = outbox(&subjects, &trace, 0, 1 << 20, (3, 4));
         let (e, _) = o.entries(1, "1", 0, vec![change("a", 10)], vec![]);
         assert_eq!(
             (e[0].traceparent.as_str(), e[0].baggage.as_str()),

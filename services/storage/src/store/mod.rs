@@ -144,6 +144,14 @@ pub struct Writes<'a> {
     pub sweeps: &'a [SweepOutcome],
 }
 
+impl<'a> Writes<'a> {
+    /// What deciding one sweep writes: its outcome and what it publishes,
+    /// no records.
+    pub fn decided(outbox: &'a [OutboxEntry], outcome: &'a SweepOutcome) -> Self {
+        Writes { slots: None, touched: &[], outbox, sweeps: std::slice::from_ref(outcome) }
+    }
+}
+
 /// What binding a partition to its command stream found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamBinding {

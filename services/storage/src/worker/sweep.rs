@@ -54,6 +54,14 @@ impl Step {
         Step { seq, ..Default::default() }
     }
 
+    /// The sweep in hand is decided: the next one is in hand, nothing of it
+    /// marked yet.
+    fn next_sweep(&mut self) {
+        self.sweep += 1;
+        self.applying = None;
+        self.marked = 0;
+    }
+
     fn encode(&self) -> String {
         let (live, candidates) = self.applying.map_or((0, 0), |c| (c.live, c.candidates));
         format!(
@@ -239,15 +247,8 @@ impl Worker {
                 live = census.live, marked_absent = step.marked, "sweep applied"
             );
             self.stats.sweep_applied();
-            step.sweep += 1;
-            step.applying = None;
-            step.marked = 0;
-            let writes = Writes {
-                slots: None,
-                touched: &[],
-                outbox: &[],
-                sweeps: std::slice::from_ref(&outcome),
-            };
+            step.next_sweep();
+            let writes = Writes::decided(&[], &outcome);
             self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
             self.stats.sweep_done();
         }
@@ -294,15 +295,8 @@ impl Worker {
             rejections,
         );
         step.part = next_part;
-        step.sweep += 1;
-        step.applying = None;
-        step.marked = 0;
-        let writes = Writes {
-            slots: None,
-            touched: &[],
-            outbox: &outbox,
-            sweeps: std::slice::from_ref(&outcome),
-        };
+        step.next_sweep();
+        let writes = Writes::decided(&outbox, &outcome);
         self.commit_step(fence, step, last, &writes, relay, shutdown).await
     }
 
