@@ -9,8 +9,11 @@
 //! - `worker`: one task per owned partition — ordered consumption, commit,
 //!   ack, retries, dead-lettering, purges; `worker::sweep`: a message with sweeps,
 //!   applied in bounded steps.
-//! - `outbox`, `relay`: what a commit puts in the outbox, and publishing it
-//!   exactly once with no time window.
+//! - `outbox` (`outbox::relay`): what a commit puts in the outbox, and
+//!   publishing it exactly once with no time window.
+//! - [`keyframe`] (`keyframe::pacing`): a keyframe job and the digest at its
+//!   mark; how fast and on which thread keyframes run (the worker freezes,
+//!   publishes and marks).
 //! - [`App`]: wiring and graceful shutdown.
 #![forbid(unsafe_code)]
 
@@ -25,7 +28,6 @@ pub mod metrics;
 mod outbox;
 pub mod read;
 mod readiness;
-mod relay;
 pub mod store;
 mod worker;
 

@@ -18,7 +18,7 @@ use super::{HandleError, Handled, Worker};
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
 use crate::outbox::{Outbox, TraceParts};
-use crate::relay::Relay;
+use crate::outbox::Relay;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// A non-transient failure is retried this many deliveries, then the batch

@@ -8,7 +8,7 @@ use tracing::error;
 
 use super::{HandleError, Handled, Worker};
 use crate::outbox::TraceParts;
-use crate::relay::Relay;
+use crate::outbox::Relay;
 use crate::store::{Commit, Fence, Position, Writes};
 
 /// Raw bytes kept in a dead-letter rejection.

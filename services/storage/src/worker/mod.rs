@@ -9,7 +9,7 @@
 //! crash after it leaves the outbox to be relayed at restart and the message
 //! to be skipped as already applied (its sequence is at or below the stored
 //! one); an outbox entry relayed again is not stored twice, however late
-//! (`crate::relay`). A message with sweeps is applied in bounded steps
+//! (`crate::outbox::relay`). A message with sweeps is applied in bounded steps
 //! (`crate::worker::sweep`).
 //!
 //! The applied sequence counts in one command stream: the partition records
@@ -62,7 +62,7 @@ use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::Known;
 use crate::metrics::Stats;
 use crate::readiness::Readiness;
-use crate::relay::Relay;
+use crate::outbox::Relay;
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod ahead;
@@ -135,7 +135,7 @@ pub(crate) enum HandleError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("outbox relay: {0}")]
-    Relay(#[from] crate::relay::RelayError),
+    Relay(#[from] crate::outbox::RelayError),
     #[error("the partition moved under this worker (another writer, or an operator's re-base)")]
     Fenced,
     #[error("message {seq} arrived while an earlier message is half applied ({step})")]

@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::{HandleError, Worker};
 use crate::apply::apply_batch;
 use crate::outbox::TraceParts;
-use crate::relay::Relay;
+use crate::outbox::Relay;
 use crate::store::{Commit, Fence, Writes};
 
 /// Absent records purged per round.

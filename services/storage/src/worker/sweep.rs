@@ -26,7 +26,7 @@ use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
 use crate::apply::{apply_batch, reason};
 use crate::outbox::TraceParts;
-use crate::relay::Relay;
+use crate::outbox::Relay;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// Records one sweep step marks absent at most (and generation entries one

@@ -2,7 +2,12 @@
 //! `OutboxEntry`s — per place, in order, at most 1000 per message and under
 //! the payload limit, with message ids that are the same on every replay —
 //! and how an entry that cannot be published as it is gets split or reduced.
-//! Pure: no I/O.
+//! This module is pure (no I/O); [`relay`] publishes what a commit left in
+//! the outbox, exactly once.
+
+pub(crate) mod relay;
+
+pub(crate) use relay::{Relay, RelayError};
 
 use std::collections::BTreeMap;
 

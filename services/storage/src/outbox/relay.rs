@@ -31,7 +31,7 @@ use tracing::{Instrument, error, warn};
 
 use crate::failpoint;
 use crate::metrics::Stats;
-use crate::outbox::smaller;
+use super::smaller;
 use crate::store::{OUTBOX_PEEK, Store, StoreError};
 
 /// How many times an entry JetStream refuses (other than for its size) is
