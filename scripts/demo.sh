@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The suite's main job, locally, in one command: installs what is missing (scripts/install-deps.sh),
-# builds the release binaries, starts private nats-server and redis-server under target/demo/
-# (unless NATS_URL / REDIS_URL are set) and every service against them — storage, ingest,
+# builds the binaries (profile `demo-bin`: release at opt-level 1, about half the cold build
+# time), starts private nats-server and redis-server under target/demo/ (unless NATS_URL /
+# REDIS_URL are set) and every service against them — storage, ingest,
 # validator, aggregator, recommender, picks — then:
 #
 #   1. imports a generated dump, re-imports it unchanged, re-imports it with 1% churn, sends a
@@ -29,11 +30,11 @@ NATS_BIN=$(scripts/install-deps.sh)
 REDIS_BIN=${SHELFSYNC_REDIS_SERVER:-redis-server}
 
 SERVICES=(storage ingest validator aggregator recommender picks)
-log "building (release): the CLI and ${SERVICES[*]} (the first build takes minutes)"
+log "building (profile demo-bin): the CLI and ${SERVICES[*]} (the first build takes minutes)"
 build_args=(--bin shelfsync)
 for s in "${SERVICES[@]}"; do build_args+=(--bin "shelfsync-$s"); done
-cargo build --release --quiet "${build_args[@]}"
-BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+cargo build --profile demo-bin --quiet "${build_args[@]}"
+BIN=${CARGO_TARGET_DIR:-$ROOT/target}/demo-bin
 
 # --- processes ------------------------------------------------------------------------------------
 # Every process runs with target/demo as its working directory, and its pid goes to
