@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
+use shelfsync_telemetry::chain;
 
 use crate::feed::FeedError;
 
@@ -213,23 +214,9 @@ impl ImportError {
             FeedError::BrandMismatch { expected, found } => {
                 ImportError::BrandMismatch { expected, found }
             }
-            FeedError::Io(e) => ImportError::Source { what: what.into(), detail: error_chain(&e) },
+            FeedError::Io(e) => ImportError::Source { what: what.into(), detail: chain(&e).to_string() },
             FeedError::Stopped => ImportError::Internal("the parse was stopped".into()),
         }
     }
 }
 
-/// An error and its causes on one line: reqwest and io errors hide the
-/// useful part in their sources.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let text = c.to_string();
-        if !out.contains(&text) {
-            _ = write!(out, ": {text}");
-        }
-        cause = c.source();
-    }
-    out
-}

@@ -10,10 +10,11 @@ use std::pin::Pin;
 use futures::TryStreamExt;
 use reqwest::StatusCode;
 use reqwest::header::{ETAG, HeaderMap, IF_MODIFIED_SINCE, IF_NONE_MATCH, LAST_MODIFIED};
+use shelfsync_telemetry::chain;
 use tokio::io::AsyncRead;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
-use crate::report::{ImportError, error_chain};
+use crate::report::ImportError;
 
 /// A feed to import.
 pub enum Source {
@@ -78,7 +79,7 @@ pub(crate) async fn open(
     let failed = |detail: String| ImportError::Source { what: what.clone(), detail };
     match source {
         Source::File(path) => {
-            let file = tokio::fs::File::open(&path).await.map_err(|e| failed(error_chain(&e)))?;
+            let file = tokio::fs::File::open(&path).await.map_err(|e| failed(chain(&e).to_string()))?;
             Ok(Opened::Feed(Box::new(file.into_std().await), Validators::default()))
         }
         Source::Stream(stream) => {
@@ -92,7 +93,7 @@ pub(crate) async fn open(
             if let Some(date) = &known.last_modified {
                 request = request.header(IF_MODIFIED_SINCE, date);
             }
-            let response = request.send().await.map_err(|e| failed(error_chain(&e)))?;
+            let response = request.send().await.map_err(|e| failed(chain(&e).to_string()))?;
             let status = response.status();
             if status == StatusCode::NOT_MODIFIED {
                 return Ok(Opened::Unchanged);
@@ -101,7 +102,7 @@ pub(crate) async fn open(
                 return Err(failed(format!("HTTP status {status}")));
             }
             let fresh = validators(response.headers());
-            let body = response.bytes_stream().map_err(|e| std::io::Error::other(error_chain(&e)));
+            let body = response.bytes_stream().map_err(|e| std::io::Error::other(chain(&e).to_string()));
             let body: Pin<Box<dyn futures::Stream<Item = _> + Send>> = Box::pin(body);
             Ok(Opened::Feed(Box::new(SyncIoBridge::new(StreamReader::new(body))), fresh))
         }
