@@ -172,26 +172,7 @@ impl Relay {
                     self.bury(e, "refused").await?;
                     continue;
                 }
-                let span = shelfsync_telemetry::send_span!(
-                    "storage.relay",
-                    self.subjects.template(&e.subject),
-                    e.subject,
-                    partition = self.partition.0,
-                );
-                shelfsync_telemetry::set_parent(&span, cx);
-                let headers = relay_headers(&span, e);
-                let sent = self
-                    .publisher
-                    .publish(
-                        e.subject.clone(),
-                        e.msg_id.clone(),
-                        &e.msg_type,
-                        headers,
-                        e.payload.clone().into(),
-                    )
-                    .instrument(span)
-                    .await;
-                if let Err(failed) = sent {
+                if let Err(failed) = self.send(e, cx).await {
                     self.note_failure(&failed);
                     // What went before it is still awaited; either way the
                     // next attempt reads back what is stored.
@@ -214,6 +195,27 @@ impl Relay {
     }
 
     /// Remembers what a failed publish says about its entry.
+    /// Publishes one entry (or a piece of one) in a relay span whose parent
+    /// is the entry's command, with the entry's trace and baggage.
+    async fn send(
+        &mut self,
+        e: &OutboxEntry,
+        cx: shelfsync_telemetry::Context,
+    ) -> Result<(), PublishFailed> {
+        let span = shelfsync_telemetry::send_span!(
+            "storage.relay",
+            self.subjects.template(&e.subject),
+            e.subject,
+            partition = self.partition.0,
+        );
+        shelfsync_telemetry::set_parent(&span, cx);
+        let headers = relay_headers(&span, e);
+        self.publisher
+            .publish(e.subject.clone(), e.msg_id.clone(), &e.msg_type, headers, e.payload.clone().into())
+            .instrument(span)
+            .await
+    }
+
     fn note_failure(&mut self, failed: &PublishFailed) {
         match failed.failure() {
             Failure::TooLarge => {
@@ -277,16 +279,9 @@ impl Relay {
                 if stored.contains(&piece.msg_id) {
                     continue;
                 }
+                // Each piece carries the entry's trace and baggage.
                 let sent = async {
-                    self.publisher
-                        .publish(
-                            piece.subject.clone(),
-                            piece.msg_id.clone(),
-                            &piece.msg_type,
-                            None,
-                            piece.payload.clone().into(),
-                        )
-                        .await?;
+                    self.send(&piece, context_of(&piece)).await?;
                     self.publisher.flush().await
                 }
                 .await;
