@@ -68,6 +68,9 @@ async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
 
 #[tokio::test]
 async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on() {
+    // Context passed on without tracing: what storage keeps with an outbox
+    // entry is the command's own, and only the entry carries it to a piece.
+    shelfsync_telemetry::install_propagators();
     // A small max_payload, so that storage's headroom below it is gone:
     // the rejection of a command near the limit cannot be published whole.
     let nats = NatsServer::start_with_config("max_payload: 65536").await.expect("nats");
@@ -91,14 +94,33 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
                 ..Default::default()
             }
             .encode_to_vec(),
+            // A rejection holds the origin twice (its own and the command's):
+            // a kilobyte more than the command, whatever the headers weigh.
+            origin: Some(shelfsync_proto::Origin {
+                source: "edge".into(),
+                import_id: "i".repeat(1024),
+                ..Default::default()
+            }),
             ..Default::default()
         }],
         ..Default::default()
     };
+    // Sent with a trace and baggage, which the reduced rejection keeps.
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let send_traced = |len: usize| {
+        let msg = async_nats::jetstream::message::PublishMessage::build()
+            .payload(near_max(len).encode_to_vec().into())
+            .message_id(format!("huge:{len}"))
+            .header(shelfsync_bus::TYPE_HEADER, shelfsync_proto::msg_type::COMMAND_BATCH)
+            .header(shelfsync_telemetry::TRACEPARENT, format!("00-{TRACE}-00f067aa0ba902b7-01"))
+            .header(shelfsync_telemetry::BAGGAGE, "tenant=acme");
+        let (js, subject) = (h.js.clone(), h.subjects.cmd(p));
+        async move { anyhow::Ok(js.send_publish(subject, msg).await?.await?) }
+    };
     let mut len = 65_536;
     let sent = loop {
         assert!(len > 60_000, "no command near the limit could be sent");
-        if h.send_batch(p, &near_max(len)).await.is_ok() {
+        if send_traced(len).await.is_ok() {
             break len;
         }
         len -= 16;
@@ -113,6 +135,15 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
     assert_eq!(r.key, Some(RecordKey::new(BRAND, place, "huge")));
     assert!(r.detail.contains("reduced"), "{}", r.detail);
     assert!(r.command.as_ref().is_some_and(|c| c.data.is_empty()), "the command's data left out");
+    // The reduced piece went out with the command's trace and baggage.
+    let rejects = h.js.get_stream(h.subjects.rejects_stream()).await.expect("REJECTS");
+    let piece = rejects
+        .get_last_raw_message_by_subject(&h.subjects.rejects(BRAND, place))
+        .await
+        .expect("the reduced rejection");
+    let header = |name: &str| piece.headers.get(name).map(|v| v.to_string()).unwrap_or_default();
+    assert!(header(shelfsync_telemetry::TRACEPARENT).contains(TRACE), "{:?}", piece.headers);
+    assert!(header(shelfsync_telemetry::BAGGAGE).contains("tenant=acme"), "{:?}", piece.headers);
 }
 
 #[tokio::test]

@@ -120,6 +120,13 @@ pub fn init(service: &str, cfg: &TelemetrySettings) -> anyhow::Result<Guard> {
     init_with(service, cfg, Options::from_env())
 }
 
+/// Installs the propagators `OTEL_PROPAGATORS` asks for, and no tracer: a
+/// process that passes trace context and baggage on without tracing (a
+/// test of what storage keeps and relays).
+pub fn install_propagators() {
+    opentelemetry::global::set_text_map_propagator(Options::from_env().text_map_propagator());
+}
+
 /// As [`init`], with the options given (tests).
 pub fn init_with(service: &str, cfg: &TelemetrySettings, opts: Options) -> anyhow::Result<Guard> {
     install_metrics();
