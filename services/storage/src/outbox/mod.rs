@@ -53,12 +53,8 @@ impl Outbox<'_> {
     ) -> (Vec<OutboxEntry>, u32) {
         let mut out = Vec::new();
         let mut part = first_part;
-        let mut by_place: BTreeMap<PlaceKey, Vec<Change>> = BTreeMap::new();
-        for c in changes {
-            let k = c.key.as_ref().map_or(PlaceKey::new(0, 0), RecordKey::place);
-            by_place.entry(k).or_default().push(fit_change(c, self.max_bytes));
-        }
-        for (place, list) in by_place {
+        let fit = |c| fit_change(c, self.max_bytes);
+        for (place, list) in by_place(changes, |c: &Change| c.key.as_ref(), fit) {
             for chunk in split_by_size(list, self.max_bytes) {
                 let batch = ChangeBatch {
                     changes: chunk,
@@ -77,12 +73,8 @@ impl Outbox<'_> {
                 part += 1;
             }
         }
-        let mut by_place: BTreeMap<PlaceKey, Vec<Rejection>> = BTreeMap::new();
-        for r in rejections {
-            let k = r.key.as_ref().map_or(PlaceKey::new(0, 0), RecordKey::place);
-            by_place.entry(k).or_default().push(fit_rejection(r, self.max_bytes));
-        }
-        for (place, list) in by_place {
+        let fit = |r| fit_rejection(r, self.max_bytes);
+        for (place, list) in by_place(rejections, |r: &Rejection| r.key.as_ref(), fit) {
             for chunk in split_by_size(list, self.max_bytes) {
                 out.push(self.entry(
                     self.subjects.rejects(place.brand_id, place.place_id),
@@ -116,6 +108,21 @@ impl Outbox<'_> {
             stream_floor: floor,
         }
     }
+}
+
+/// `items` per place (keyless ones under place 0:0), in order within a place,
+/// each made to fit by `fit`.
+fn by_place<T>(
+    items: Vec<T>,
+    key: impl Fn(&T) -> Option<&RecordKey>,
+    fit: impl Fn(T) -> T,
+) -> BTreeMap<PlaceKey, Vec<T>> {
+    let mut out: BTreeMap<PlaceKey, Vec<T>> = BTreeMap::new();
+    for item in items {
+        let place = key(&item).map_or(PlaceKey::new(0, 0), RecordKey::place);
+        out.entry(place).or_default().push(fit(item));
+    }
+    out
 }
 
 /// A change too large for one message loses its `before` data and state
