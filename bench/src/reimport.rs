@@ -173,6 +173,10 @@ async fn import_once(
     importer: &Importer,
     step: &Step<'_>,
 ) -> anyhow::Result<ImportRow> {
+    if world.durable {
+        // Untimed, as the PostgreSQL peer's VACUUM and CHECKPOINT are.
+        world.rewrite_aof().await?;
+    }
     let before = snap(world, target).await?;
     let started = Instant::now();
     let imported = importer
