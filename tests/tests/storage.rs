@@ -216,6 +216,67 @@ async fn sweep_marks_absent_and_reappearance_restores() {
     assert_eq!(h.changes().await.unwrap().len(), 5);
 }
 
+/// A sweep of a place its owner has counted once is counted from memory, and
+/// still marks exactly what its import left out after the place was written
+/// every other way meanwhile (a delta creating a record, a delete, a sweep,
+/// a record coming back); a restarted owner counts in Redis again.
+#[tokio::test]
+async fn a_known_place_is_swept_exactly_without_scanning_it() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = settings_for(&env);
+    let h = Harness::connect(settings.clone()).await.unwrap();
+    let storage = InProcessStorage::start(settings.clone()).await.unwrap();
+    let scans = |s: &InProcessStorage| shelfsync_storage::Stats::get(&s.stats.sweep_scans);
+    let p = product("p", 10, 1);
+    let import = |ids: &'static [&'static str], generation: i64| {
+        let h = &h;
+        let p = &p;
+        async move {
+            h.send(ids.iter().map(|id| patch(BRAND, 3, id, p, generation)).collect())
+                .await
+                .unwrap();
+            h.send_sweep(BRAND, 3, generation).await.unwrap();
+            h.wait_settled().await;
+        }
+    };
+    let absent = |id: &'static str| {
+        let h = &h;
+        async move { h.get(BRAND, 3, id).await.unwrap().unwrap().absent }
+    };
+    let g1 = now_us();
+    import(&["a", "b", "c", "d", "e"], g1).await;
+    assert_eq!(scans(&storage), 1, "the first sweep of a place reads it");
+    // Meanwhile: a delta creates f, b is deleted.
+    h.send(vec![patch(BRAND, 3, "f", &p, 0)]).await.unwrap();
+    let mut delete = patch(BRAND, 3, "b", &p, 0);
+    (delete.kind, delete.data) = (CommandKind::Delete as i32, Vec::new());
+    h.send(vec![delete]).await.unwrap();
+    h.wait_settled().await;
+
+    import(&["a", "c"], g1 + 1).await;
+    assert_eq!(scans(&storage), 1, "counted from memory");
+    for (id, gone) in [("a", false), ("c", false), ("d", true), ("e", true), ("f", true)] {
+        assert_eq!(absent(id).await, gone, "{id}");
+    }
+    assert!(h.get(BRAND, 3, "b").await.unwrap().unwrap().deleted, "b stays deleted");
+
+    // d comes back; nothing else is left out.
+    import(&["a", "c", "d"], g1 + 2).await;
+    assert!(!absent("d").await);
+    assert_eq!(scans(&storage), 1);
+    let changes = h.changes().await.unwrap().len();
+    // 5 created, f created, b deleted, d e f swept, d back.
+    assert_eq!(changes, 11);
+
+    // A new owner knows nothing: it reads the place, and sweeps d again.
+    storage.stop().await.unwrap();
+    let storage = InProcessStorage::start(settings).await.unwrap();
+    import(&["a", "c"], g1 + 3).await;
+    assert_eq!(scans(&storage), 1, "read again after a restart");
+    assert!(absent("d").await);
+    assert_eq!(h.changes().await.unwrap().len(), changes + 1);
+}
+
 #[tokio::test]
 async fn cas_applies_when_current_and_rejects_when_stale() {
     let (_env, h, _storage) = start().await;

@@ -34,6 +34,9 @@ pub struct Stats {
     pub changes: AtomicU64,
     pub rejected: AtomicU64,
     pub sweeps: AtomicU64,
+    /// Sweeps whose census scanned their place in Redis (the others were
+    /// counted from the live records the owner keeps, `crate::known::live`).
+    pub sweep_scans: AtomicU64,
     pub published: AtomicU64,
     /// Payload bytes of the change batches published (the "bytes out").
     pub change_bytes: AtomicU64,
@@ -65,6 +68,7 @@ impl Stats {
             "changes": g(&self.changes),
             "rejected": g(&self.rejected),
             "sweeps": g(&self.sweeps),
+            "sweep_scans": g(&self.sweep_scans),
             "published": g(&self.published),
             "change_bytes": g(&self.change_bytes),
             "purged": g(&self.purged),
@@ -176,6 +180,12 @@ impl Stats {
     /// A sweep decided (applied, held or skipped).
     pub(crate) fn sweep_done(&self) {
         add(&self.sweeps, 1);
+    }
+
+    /// A sweep's census scanned its place in Redis.
+    pub(crate) fn sweep_scanned(&self) {
+        add(&self.sweep_scans, 1);
+        counter!(names::SWEEP_SCANS).increment(1);
     }
 
     /// A sweep was applied in full.

@@ -63,7 +63,9 @@ pub struct StorageSettings {
     /// Records per partition whose owner remembers, in memory, the PATCHes
     /// that change nothing on them (a few hashes, about 70 bytes a record),
     /// so that an identical re-import of them reads nothing from Redis
-    /// (0: off). Past it, records not yet remembered go through Redis.
+    /// (0: off). Past it, records not yet remembered go through Redis. The
+    /// same bound holds the live records' generations it keeps per place
+    /// (about 30 bytes a record), so a sweep counts without scanning Redis.
     pub known_records: usize,
     /// HTTP listen address of storage (read API, health).
     pub http_listen: String,

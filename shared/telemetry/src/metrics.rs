@@ -92,6 +92,9 @@ pub mod names {
     pub const SWEEPS_HELD: &str = "shelfsync_sweeps_held_total";
     /// Storage: sweeps applied (records marked absent counted apart).
     pub const SWEEPS_APPLIED: &str = "shelfsync_sweeps_applied_total";
+    /// Storage: sweeps whose census scanned their place in Redis (the
+    /// others were counted from the live records the partition owner keeps).
+    pub const SWEEP_SCANS: &str = "shelfsync_sweep_scans_total";
     /// Storage: absent records purged after `storage.absent_ttl`.
     pub const ABSENT_PURGED: &str = "shelfsync_absent_purged_total";
     /// Storage: commits that waited for Redis replicas (`redis.wait_replicas`)
@@ -237,6 +240,10 @@ fn describe() {
     );
     describe_counter!(SWEEPS_HELD, "Sweeps held instead of applied, by reason");
     describe_counter!(SWEEPS_APPLIED, "Sweeps applied");
+    describe_counter!(
+        SWEEP_SCANS,
+        "Sweep censuses that scanned their place in Redis (the others were counted in memory)"
+    );
     describe_counter!(ABSENT_PURGED, "Absent records purged after the absent TTL");
     describe_counter!(
         REDIS_WAIT_RETRIES,

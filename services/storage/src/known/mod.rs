@@ -28,6 +28,10 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
 use crate::apply::{Key, Slot, Touch};
 
+pub mod live;
+
+pub use live::LivePlaces;
+
 /// Hashes of no-op PATCHes kept per record (say, a price feed and a stock
 /// feed of the same record).
 const NOOPS: usize = 3;
@@ -89,9 +93,12 @@ pub struct Split {
 pub struct Known {
     entries: HashMap<u128, Entry>,
     capacity: usize,
+    /// The live records of the places whose census it has seen, kept by the
+    /// same rules.
+    pub live: LivePlaces,
 }
 
-fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
+pub(crate) fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
     let mut buf = Vec::with_capacity(16 + product_id.len());
     buf.extend_from_slice(&brand_id.to_le_bytes());
     buf.extend_from_slice(&place_id.to_le_bytes());
@@ -126,12 +133,13 @@ pub fn command_hash(cmd: &Command) -> u64 {
 
 impl Known {
     pub fn new(capacity: usize) -> Self {
-        Self { entries: HashMap::new(), capacity }
+        Self { entries: HashMap::new(), capacity, live: LivePlaces::new(capacity) }
     }
 
     /// Forgets everything (a failed or fenced commit, a new binding).
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.live.clear();
     }
 
     /// Splits the commands of `batches` (applied in this order, as one
@@ -184,6 +192,7 @@ impl Known {
         applied: impl IntoIterator<Item = &'a Command>,
         rejected: &[Key],
     ) {
+        self.live.written(slots);
         for ((b, p, id), slot) in slots {
             let k = key_hash(*b, *p, id);
             if slot.record_dirty {

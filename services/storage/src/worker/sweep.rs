@@ -177,7 +177,11 @@ impl Worker {
             let census = match step.applying {
                 Some(census) => census,
                 None => {
-                    let census = self.census(s, &spared, &mut alive).await?;
+                    let known = self.known().live.census(s.place(), s.generation, carried.as_ref());
+                    let census = match known {
+                        Some(census) => census,
+                        None => self.census(s, &spared, &mut alive).await?,
+                    };
                     let held = self.store.held(p, s.place()).await?;
                     match sweep::decide(s, census, carried.is_some(), held.as_ref()) {
                         Decision::Apply => census,
@@ -191,8 +195,11 @@ impl Worker {
                 }
             };
             step.applying = Some(census);
+            // With no candidate there is nothing to find: nothing is written
+            // between the census and here (this worker is the place's only
+            // writer, one message at a time).
             let mut cursor = 0;
-            loop {
+            while census.candidates > 0 {
                 alive.tick().await;
                 let (next, column) = self.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
@@ -301,15 +308,17 @@ impl Worker {
     }
 
     /// Counts the place's live records and the sweep's candidates (below its
-    /// generation and not `spared`: not carried by its import), in HSCAN steps.
+    /// generation and not `spared`: not carried by its import), in HSCAN
+    /// steps; what it read makes the place known (`crate::known::live`).
     async fn census(
         &self,
         s: &Sweep,
         spared: &impl Fn(&str) -> bool,
         alive: &mut KeepAlive<'_>,
     ) -> Result<Census, StoreError> {
+        self.stats.sweep_scanned();
         let mut census = Census::default();
-        let mut seen = std::collections::HashSet::new();
+        let mut read = std::collections::HashMap::new();
         let mut cursor = 0;
         loop {
             alive.tick().await;
@@ -317,11 +326,14 @@ impl Worker {
                 self.store.scan_gens(self.partition, s.place(), cursor, SWEEP_STEP).await?;
             for (id, e) in column {
                 // A rehash can return a field twice.
-                if seen.insert(xxhash_rust::xxh3::xxh3_64(id.as_bytes())) {
+                let k = crate::known::key_hash(s.brand_id, s.place_id, &id);
+                if read.insert(k, e).is_none() {
                     census.count(&e, s.generation, spared(&id));
                 }
             }
             if next == 0 {
+                let read: Vec<_> = read.into_iter().collect();
+                self.known().live.scanned(s.place(), &read);
                 return Ok(census);
             }
             cursor = next;

@@ -1,0 +1,191 @@
+//! The live records of a place, as its partition's owner last saw them:
+//! enough to count a sweep's census without scanning the place in Redis.
+//!
+//! A sweep must know how many of the place's records are live and which of
+//! them its import did not carry (`apply::sweep::Census`). Counting that in
+//! Redis means reading every record of the place (an `HSCAN` of whole
+//! records) at every full import, work proportional to the place rather than
+//! to what changed. The owner is the only writer of its partition's keys, so
+//! once it has scanned a place it can keep, per live record, its stored
+//! generation, and keep that true as it writes:
+//! - a place is known only from a complete census scan (every record of the
+//!   place, read while nothing else writes it);
+//! - every commit that writes a record of a known place updates it: a live
+//!   record is noted with its generation, an absent or deleted one dropped
+//!   (neither is live nor a candidate, so neither counts);
+//! - a commit that fails or is fenced, and every (re)bind, forgets all of
+//!   it, as for [`super::Known`]; past `capacity` records a place is
+//!   forgotten rather than kept in part.
+//!
+//! Records are keyed by the same 128-bit key hash as [`super::Known`].
+
+use std::collections::{HashMap, HashSet};
+
+use shelfsync_proto::PlaceKey;
+
+use super::key_hash;
+use crate::apply::sweep::Census;
+use crate::apply::{GenEntry, Key, Slot};
+
+#[derive(Debug)]
+pub struct LivePlaces {
+    /// Per known place: its live records' generations.
+    places: HashMap<PlaceKey, HashMap<u128, i64>>,
+    /// Records kept, over all places.
+    records: usize,
+    capacity: usize,
+}
+
+impl LivePlaces {
+    pub fn new(capacity: usize) -> Self {
+        Self { places: HashMap::new(), records: 0, capacity }
+    }
+
+    pub fn clear(&mut self) {
+        self.places.clear();
+        self.records = 0;
+    }
+
+    /// A complete census scan of `place` read these records.
+    pub fn scanned(&mut self, place: PlaceKey, records: &[(u128, GenEntry)]) {
+        self.forget(place);
+        let live: HashMap<u128, i64> = records
+            .iter()
+            .filter(|(_, e)| !e.absent && !e.deleted)
+            .map(|&(k, e)| (k, e.generation))
+            .collect();
+        if self.records + live.len() <= self.capacity {
+            self.records += live.len();
+            self.places.insert(place, live);
+        }
+    }
+
+    /// A commit wrote these slots (those not dirty were not written).
+    pub fn written(&mut self, slots: &HashMap<Key, Slot>) {
+        for ((b, p, id), slot) in slots {
+            if !(slot.record_dirty || slot.gen_dirty) {
+                continue;
+            }
+            let place = PlaceKey::new(*b, *p);
+            let Some(live) = self.places.get_mut(&place) else { continue };
+            let k = key_hash(*b, *p, id);
+            let e = slot.gen_entry();
+            if slot.record.is_some() && !e.absent && !e.deleted {
+                if live.insert(k, e.generation).is_none() {
+                    self.records += 1;
+                }
+            } else if live.remove(&k).is_some() {
+                self.records -= 1;
+            }
+            if self.records > self.capacity {
+                self.forget(place);
+            }
+        }
+    }
+
+    /// The census of a sweep of `generation` over `place`, if the place is
+    /// known; `carried`: the ids its import carried (`None`: none kept).
+    pub fn census(
+        &self,
+        place: PlaceKey,
+        generation: i64,
+        carried: Option<&HashSet<String>>,
+    ) -> Option<Census> {
+        let live = self.places.get(&place)?;
+        let carried: HashSet<u128> = carried
+            .into_iter()
+            .flatten()
+            .map(|id| key_hash(place.brand_id, place.place_id, id))
+            .collect();
+        let mut census = Census::default();
+        for (k, &g) in live {
+            let e = GenEntry { generation: g, absent: false, deleted: false };
+            census.count(&e, generation, carried.contains(k));
+        }
+        Some(census)
+    }
+
+    fn forget(&mut self, place: PlaceKey) {
+        if let Some(live) = self.places.remove(&place) {
+            self.records -= live.len();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shelfsync_proto::Record;
+
+    const PLACE: PlaceKey = PlaceKey { brand_id: 7, place_id: 1 };
+
+    fn entry(id: &str, generation: i64, absent: bool) -> (u128, GenEntry) {
+        (key_hash(7, 1, id), GenEntry { generation, absent, deleted: false })
+    }
+
+    fn written(id: &str, generation: i64, absent: bool, deleted: bool) -> HashMap<Key, Slot> {
+        let slot = Slot {
+            record: Some(Record { absent, deleted, ..Default::default() }),
+            generation,
+            record_dirty: true,
+            ..Default::default()
+        };
+        HashMap::from([((7, 1, id.to_string()), slot)])
+    }
+
+    fn carried(ids: &[&str]) -> HashSet<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_place_is_known_only_from_a_scan() {
+        let mut live = LivePlaces::new(10);
+        live.written(&written("a", 1, false, false));
+        assert_eq!(live.census(PLACE, 2, None), None, "a write alone says nothing of the rest");
+        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false), entry("c", 1, true)]);
+        let census = live.census(PLACE, 2, Some(&carried(&["a"]))).expect("known");
+        assert_eq!(census, Census { live: 2, candidates: 1 }, "b was not carried; c is absent");
+    }
+
+    #[test]
+    fn writes_keep_a_known_place_true() {
+        let mut live = LivePlaces::new(10);
+        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false)]);
+        live.written(&written("c", 2, false, false));
+        live.written(&written("b", 1, true, false));
+        live.written(&written("a", 1, false, true));
+        assert_eq!(
+            live.census(PLACE, 2, Some(&carried(&[]))),
+            Some(Census { live: 1, candidates: 0 }),
+            "c is new at generation 2; b was marked absent, a deleted"
+        );
+        live.written(&written("b", 2, false, false));
+        assert_eq!(live.census(PLACE, 3, None), Some(Census { live: 2, candidates: 2 }));
+        assert_eq!(live.records, 2);
+    }
+
+    #[test]
+    fn an_unwritten_slot_changes_nothing() {
+        let mut live = LivePlaces::new(10);
+        live.scanned(PLACE, &[entry("a", 1, false)]);
+        let mut slots = written("a", 1, true, false);
+        slots.values_mut().for_each(|s| s.record_dirty = false);
+        live.written(&slots);
+        assert_eq!(live.census(PLACE, 2, None), Some(Census { live: 1, candidates: 1 }));
+    }
+
+    #[test]
+    fn past_its_capacity_a_place_is_forgotten_whole() {
+        let mut live = LivePlaces::new(2);
+        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false), entry("c", 1, false)]);
+        assert_eq!(live.census(PLACE, 2, None), None, "too large to keep");
+        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false)]);
+        assert!(live.census(PLACE, 2, None).is_some());
+        live.written(&written("c", 2, false, false));
+        assert_eq!(live.census(PLACE, 2, None), None, "grew past it");
+        assert_eq!(live.records, 0);
+        live.scanned(PLACE, &[entry("a", 1, false)]);
+        live.clear();
+        assert_eq!(live.census(PLACE, 2, None), None);
+    }
+}
