@@ -12,11 +12,17 @@ use shelfsync_tests::*;
 const BRAND: i64 = 7;
 
 async fn start() -> (TestEnv, Harness, InProcessStorage) {
+    let (env, _, h, storage) = start_restartable().await;
+    (env, h, storage)
+}
+
+/// As [`start`], with the settings to start storage again.
+async fn start_restartable() -> (TestEnv, shelfsync_settings::Settings, Harness, InProcessStorage) {
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
     let h = Harness::connect(settings.clone()).await.expect("harness");
-    let storage = InProcessStorage::start(settings).await.expect("storage");
-    (env, h, storage)
+    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    (env, settings, h, storage)
 }
 
 fn full_import(
@@ -222,10 +228,7 @@ async fn sweep_marks_absent_and_reappearance_restores() {
 /// a record coming back); a restarted owner counts in Redis again.
 #[tokio::test]
 async fn a_known_place_is_swept_exactly_without_scanning_it() {
-    let env = TestEnv::start().await.unwrap();
-    let settings = settings_for(&env);
-    let h = Harness::connect(settings.clone()).await.unwrap();
-    let storage = InProcessStorage::start(settings.clone()).await.unwrap();
+    let (_env, settings, h, storage) = start_restartable().await;
     let scans = |s: &InProcessStorage| shelfsync_storage::Stats::get(&s.stats.sweep_scans);
     let p = product("p", 10, 1);
     let import = |ids: &'static [&'static str], generation: i64| {
@@ -378,10 +381,7 @@ async fn poison_messages_are_dead_lettered_without_blocking_the_partition() {
 
 #[tokio::test]
 async fn graceful_stop_and_restart_resume_where_they_left() {
-    let env = TestEnv::start().await.unwrap();
-    let settings = settings_for(&env);
-    let h = Harness::connect(settings.clone()).await.unwrap();
-    let storage = InProcessStorage::start(settings.clone()).await.unwrap();
+    let (_env, settings, h, storage) = start_restartable().await;
     h.send(full_import(&[1, 2], 100, 0, |_, i| i as i64)).await.unwrap();
     h.wait_settled().await;
     storage.stop().await.unwrap();

@@ -47,12 +47,16 @@ impl LivePlaces {
     }
 
     /// A complete census scan of `place` read these records.
-    pub fn scanned(&mut self, place: PlaceKey, records: &[(u128, GenEntry)]) {
+    pub fn scanned(
+        &mut self,
+        place: PlaceKey,
+        records: impl IntoIterator<Item = (u128, GenEntry)>,
+    ) {
         self.forget(place);
         let live: HashMap<u128, i64> = records
-            .iter()
+            .into_iter()
             .filter(|(_, e)| !e.absent && !e.deleted)
-            .map(|&(k, e)| (k, e.generation))
+            .map(|(k, e)| (k, e.generation))
             .collect();
         if self.records + live.len() <= self.capacity {
             self.records += live.len();
@@ -142,7 +146,7 @@ mod tests {
         let mut live = LivePlaces::new(10);
         live.written(&written("a", 1, false, false));
         assert_eq!(live.census(PLACE, 2, None), None, "a write alone says nothing of the rest");
-        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false), entry("c", 1, true)]);
+        live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false), entry("c", 1, true)]);
         let census = live.census(PLACE, 2, Some(&carried(&["a"]))).expect("known");
         assert_eq!(census, Census { live: 2, candidates: 1 }, "b was not carried; c is absent");
     }
@@ -150,7 +154,7 @@ mod tests {
     #[test]
     fn writes_keep_a_known_place_true() {
         let mut live = LivePlaces::new(10);
-        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false)]);
+        live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false)]);
         live.written(&written("c", 2, false, false));
         live.written(&written("b", 1, true, false));
         live.written(&written("a", 1, false, true));
@@ -167,7 +171,7 @@ mod tests {
     #[test]
     fn an_unwritten_slot_changes_nothing() {
         let mut live = LivePlaces::new(10);
-        live.scanned(PLACE, &[entry("a", 1, false)]);
+        live.scanned(PLACE, [entry("a", 1, false)]);
         let mut slots = written("a", 1, true, false);
         slots.values_mut().for_each(|s| s.record_dirty = false);
         live.written(&slots);
@@ -177,14 +181,14 @@ mod tests {
     #[test]
     fn past_its_capacity_a_place_is_forgotten_whole() {
         let mut live = LivePlaces::new(2);
-        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false), entry("c", 1, false)]);
+        live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false), entry("c", 1, false)]);
         assert_eq!(live.census(PLACE, 2, None), None, "too large to keep");
-        live.scanned(PLACE, &[entry("a", 1, false), entry("b", 1, false)]);
+        live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false)]);
         assert!(live.census(PLACE, 2, None).is_some());
         live.written(&written("c", 2, false, false));
         assert_eq!(live.census(PLACE, 2, None), None, "grew past it");
         assert_eq!(live.records, 0);
-        live.scanned(PLACE, &[entry("a", 1, false)]);
+        live.scanned(PLACE, [entry("a", 1, false)]);
         live.clear();
         assert_eq!(live.census(PLACE, 2, None), None);
     }

@@ -192,7 +192,6 @@ impl Known {
         applied: impl IntoIterator<Item = &'a Command>,
         rejected: &[Key],
     ) {
-        self.live.written(slots);
         for ((b, p, id), slot) in slots {
             let k = key_hash(*b, *p, id);
             if slot.record_dirty {
@@ -229,7 +228,10 @@ impl Known {
 
     /// Forgets the records a commit wrote (one that learns nothing: sweeps,
     /// purges).
+    /// Every successful commit that writes records comes here (once), so the
+    /// live places are kept here too.
     pub fn forget_written(&mut self, slots: &HashMap<Key, Slot>) {
+        self.live.written(slots);
         self.committed(slots, std::iter::empty(), &[]);
     }
 }

@@ -332,8 +332,7 @@ impl Worker {
                 }
             }
             if next == 0 {
-                let read: Vec<_> = read.into_iter().collect();
-                self.known().live.scanned(s.place(), &read);
+                self.known().live.scanned(s.place(), read);
                 return Ok(census);
             }
             cursor = next;
