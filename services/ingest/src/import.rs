@@ -58,8 +58,11 @@ const CHANNEL_CHUNKS: usize = 16;
 /// Rejections per message.
 const REJECTS_PER_BATCH: usize = 100;
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
-/// How often the outcomes of an import's sweeps are asked for.
-const SWEEP_POLL: Duration = Duration::from_millis(200);
+/// How often the outcomes of an import's sweeps are asked for: soon after
+/// the sweeps are sent (storage decides them as soon as it has applied the
+/// import's commands), then less and less often.
+const SWEEP_POLL_FIRST: Duration = Duration::from_millis(5);
+const SWEEP_POLL_MAX: Duration = Duration::from_millis(200);
 
 /// Called now and then with running counts.
 pub type ProgressFn<'a> = Option<&'a (dyn Fn(&Progress) + Send + Sync)>;
@@ -338,13 +341,14 @@ impl Importer {
             place_ids: places.to_vec(),
         };
         let deadline = Instant::now() + self.settings.ingest.sweep_report_wait;
-        let mut last = None;
+        let (mut last, mut poll) = (None, SWEEP_POLL_FIRST);
         while last.as_ref().is_none_or(|r: &SweepsReply| !r.pending.is_empty()) {
             if last.is_some() {
                 if Instant::now() >= deadline {
                     break;
                 }
-                tokio::time::sleep(SWEEP_POLL).await;
+                tokio::time::sleep(poll).await;
+                poll = (poll * 5 / 4).min(SWEEP_POLL_MAX);
             }
             let asked = self
                 .client
