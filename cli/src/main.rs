@@ -1,6 +1,9 @@
 //! `shelfsync`, the operator CLI. All logic lives in the `shelfsync_cli` library.
 #![forbid(unsafe_code)]
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::process::ExitCode;
 
 use clap::Parser;

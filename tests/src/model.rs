@@ -35,7 +35,7 @@ pub(crate) fn id_of(key: &RecordKey) -> RecordId {
 #[derive(Default)]
 pub struct SerialModel {
     partitions: u32,
-    slots: HashMap<RecordId, shelfsync_storage::apply::Slot>,
+    slots: shelfsync_storage::apply::Slots,
     /// Per record, every observable version a change announced, in order.
     pub transitions: HashMap<RecordId, Vec<Observed>>,
     /// Changes emitted in all.

@@ -1,6 +1,9 @@
 //! `shelfsync-aggregator`: master cards and the category cache, from the
 //! change stream.
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let about =

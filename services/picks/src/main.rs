@@ -1,5 +1,8 @@
 //! `shelfsync-picks`: the example ChangeFeed service (discounted picks).
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 use shelfsync_service::{ConfigArgs, Service};
 

@@ -21,6 +21,13 @@ use sweep::{Census, Decision};
 /// is part of the key too; kept as the full triple to keep mistakes out.
 pub type Key = (i64, i64, String);
 
+/// The maps of the hot path: a fast hasher, seeded per process (partner ids
+/// are keys, so not a fixed one).
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The records one commit loaded, by key.
+pub type Slots = FastMap<Key, Slot>;
+
 /// The generation of a record, with the two flags the sweep needs without
 /// decoding the record (the store reads all three off the record bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -220,7 +227,7 @@ pub(crate) fn bump(prev: i64, now: i64) -> i64 {
 /// sweep. Slots are updated in place with dirty flags for the commit.
 pub fn apply_batch(
     batch: &CommandBatch,
-    slots: &mut HashMap<Key, Slot>,
+    slots: &mut Slots,
     swept: &HashMap<PlaceKey, SweptPlace>,
     limits: &Limits,
 ) -> Outcome {
@@ -288,7 +295,7 @@ fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Box<Rejection>>
 /// (the generation may have been written silently).
 fn apply_command(
     cmd: &Command,
-    slots: &mut HashMap<Key, Slot>,
+    slots: &mut Slots,
     limits: &Limits,
 ) -> Result<Option<Change>, Box<Rejection>> {
     let key = validate(cmd, limits)?;
@@ -410,7 +417,7 @@ fn apply_command(
 /// decision and marking; this one is the reference the tests hold it to.
 fn apply_sweep(
     sweep: &Sweep,
-    slots: &mut HashMap<Key, Slot>,
+    slots: &mut Slots,
     swept: &HashMap<PlaceKey, SweptPlace>,
     limits: &Limits,
     out: &mut Outcome,
@@ -437,7 +444,7 @@ fn apply_sweep(
     products.sort();
     products.dedup();
     // A slot touched earlier in this batch is newer than the column.
-    let entry = |slots: &HashMap<Key, Slot>, k: &Key| match slots.get(k) {
+    let entry = |slots: &Slots, k: &Key| match slots.get(k) {
         Some(slot) => slot.record.is_some().then(|| slot.gen_entry()),
         None => column.get(k.2.as_str()).copied(),
     };

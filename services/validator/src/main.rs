@@ -1,5 +1,8 @@
 //! `shelfsync-validator`: hides offers that break the configured rules.
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let about = "shelfsync validator service";

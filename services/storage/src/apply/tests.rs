@@ -164,7 +164,7 @@ type SweepGens = HashMap<PlaceKey, SweptPlace>;
 /// One applied batch: what the core said and the slots it left to commit.
 struct Applied {
     outcome: Outcome,
-    slots: HashMap<Key, Slot>,
+    slots: Slots,
 }
 
 impl Applied {
@@ -242,9 +242,9 @@ impl Store {
 
     /// What `Store::load` reads: a slot for every command key, and per swept
     /// place its generation column plus a slot for every sweep candidate.
-    fn load(&self, batch: &CommandBatch) -> (HashMap<Key, Slot>, SweepGens) {
+    fn load(&self, batch: &CommandBatch) -> (Slots, SweepGens) {
         let (keys, places) = touched(batch);
-        let mut slots: HashMap<Key, Slot> = keys
+        let mut slots: Slots = keys
             .into_iter()
             .map(|k| {
                 let slot = self.slot(&k);
@@ -273,7 +273,7 @@ impl Store {
     }
 
     /// What `Store::commit` writes, through the same encodings Redis holds.
-    fn commit(&mut self, slots: &HashMap<Key, Slot>) {
+    fn commit(&mut self, slots: &Slots) {
         for (k, slot) in slots {
             if slot.record_dirty
                 && let Some(r) = &slot.record

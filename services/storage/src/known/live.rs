@@ -19,18 +19,18 @@
 //!
 //! Records are keyed by the same 128-bit key hash as [`super::Known`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use shelfsync_proto::PlaceKey;
 
 use super::key_hash;
 use crate::apply::sweep::Census;
-use crate::apply::{GenEntry, Key, Slot};
+use crate::apply::{FastMap, GenEntry, Slots};
 
 #[derive(Debug)]
 pub struct LivePlaces {
     /// Per known place: its live records' generations.
-    places: HashMap<PlaceKey, HashMap<u128, i64>>,
+    places: FastMap<PlaceKey, FastMap<u128, i64>>,
     /// Records kept, over all places.
     records: usize,
     capacity: usize,
@@ -38,7 +38,7 @@ pub struct LivePlaces {
 
 impl LivePlaces {
     pub fn new(capacity: usize) -> Self {
-        Self { places: HashMap::new(), records: 0, capacity }
+        Self { places: FastMap::default(), records: 0, capacity }
     }
 
     pub fn clear(&mut self) {
@@ -53,7 +53,7 @@ impl LivePlaces {
         records: impl IntoIterator<Item = (u128, GenEntry)>,
     ) {
         self.forget(place);
-        let live: HashMap<u128, i64> = records
+        let live: FastMap<u128, i64> = records
             .into_iter()
             .filter(|(_, e)| !e.absent && !e.deleted)
             .map(|(k, e)| (k, e.generation))
@@ -65,7 +65,7 @@ impl LivePlaces {
     }
 
     /// A commit wrote these slots (those not dirty were not written).
-    pub fn written(&mut self, slots: &HashMap<Key, Slot>) {
+    pub fn written(&mut self, slots: &Slots) {
         for ((b, p, id), slot) in slots {
             if !(slot.record_dirty || slot.gen_dirty) {
                 continue;
@@ -96,7 +96,7 @@ impl LivePlaces {
         carried: Option<&HashSet<String>>,
     ) -> Option<Census> {
         let live = self.places.get(&place)?;
-        let carried: HashSet<u128> = carried
+        let carried: HashSet<u128, foldhash::fast::RandomState> = carried
             .into_iter()
             .flatten()
             .map(|id| key_hash(place.brand_id, place.place_id, id))
@@ -119,6 +119,7 @@ impl LivePlaces {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::apply::Slot;
     use shelfsync_proto::Record;
 
     const PLACE: PlaceKey = PlaceKey { brand_id: 7, place_id: 1 };
@@ -127,14 +128,14 @@ mod tests {
         (key_hash(7, 1, id), GenEntry { generation, absent, deleted: false })
     }
 
-    fn written(id: &str, generation: i64, absent: bool, deleted: bool) -> HashMap<Key, Slot> {
+    fn written(id: &str, generation: i64, absent: bool, deleted: bool) -> Slots {
         let slot = Slot {
             record: Some(Record { absent, deleted, ..Default::default() }),
             generation,
             record_dirty: true,
             ..Default::default()
         };
-        HashMap::from([((7, 1, id.to_string()), slot)])
+        Slots::from_iter([((7, 1, id.to_string()), slot)])
     }
 
     fn carried(ids: &[&str]) -> HashSet<String> {

@@ -21,12 +21,10 @@
 //! - a key is skipped only if every command on it in the commit is vouched
 //!   for; otherwise all of them go through Redis in order.
 
-use std::collections::HashMap;
-
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
-use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+use xxhash_rust::xxh3::Xxh3;
 
-use crate::apply::{Key, Slot, Touch};
+use crate::apply::{FastMap, Key, Slots, Touch};
 
 pub mod live;
 
@@ -91,7 +89,7 @@ pub struct Split {
 /// `capacity` records are known, new ones are not added.
 #[derive(Debug)]
 pub struct Known {
-    entries: HashMap<u128, Entry>,
+    entries: FastMap<u128, Entry>,
     capacity: usize,
     /// The live records of the places whose census it has seen, kept by the
     /// same rules.
@@ -99,11 +97,11 @@ pub struct Known {
 }
 
 pub(crate) fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
-    let mut buf = Vec::with_capacity(16 + product_id.len());
-    buf.extend_from_slice(&brand_id.to_le_bytes());
-    buf.extend_from_slice(&place_id.to_le_bytes());
-    buf.extend_from_slice(product_id.as_bytes());
-    xxh3_128(&buf)
+    let mut h = Xxh3::new();
+    h.update(&brand_id.to_le_bytes());
+    h.update(&place_id.to_le_bytes());
+    h.update(product_id.as_bytes());
+    h.digest128()
 }
 
 fn command_key(cmd: &Command) -> Option<u128> {
@@ -133,7 +131,7 @@ pub fn command_hash(cmd: &Command) -> u64 {
 
 impl Known {
     pub fn new(capacity: usize) -> Self {
-        Self { entries: HashMap::new(), capacity, live: LivePlaces::new(capacity) }
+        Self { entries: FastMap::default(), capacity, live: LivePlaces::new(capacity) }
     }
 
     /// Forgets everything (a failed or fenced commit, a new binding).
@@ -152,22 +150,28 @@ impl Known {
                 .collect();
         }
         // A key is skipped only when every command on it is vouched for.
-        let mut skippable: HashMap<u128, bool> = HashMap::new();
+        let mut skippable: FastMap<u128, bool> = FastMap::default();
+        let mut keys = Vec::new();
         for cmd in batches.iter().flat_map(|b| &b.commands) {
-            let Some(k) = command_key(cmd) else { continue };
+            let k = command_key(cmd);
+            keys.push(k);
+            let Some(k) = k else { continue };
             let ok =
                 self.entries.get(&k).is_some_and(|e| e.vouches(command_hash(cmd), cmd.generation));
             skippable.entry(k).and_modify(|s| *s &= ok).or_insert(ok);
         }
+        let mut keys = keys.into_iter();
         batches
             .iter()
             .map(|b| {
-                let mut split = Split {
-                    rest: CommandBatch { commands: Vec::new(), ..(*b).clone() },
-                    skipped: Vec::new(),
+                let rest = CommandBatch {
+                    partition: b.partition,
+                    commands: Vec::new(),
+                    sweeps: b.sweeps.clone(),
                 };
+                let mut split = Split { rest, skipped: Vec::new() };
                 for cmd in &b.commands {
-                    match (command_key(cmd), cmd.key.as_ref()) {
+                    match (keys.next().flatten(), cmd.key.as_ref()) {
                         (Some(k), Some(key)) if skippable.get(&k) == Some(&true) => {
                             split.skipped.push(Skipped {
                                 key: (key.brand_id, key.place_id, key.product_id.clone()),
@@ -188,7 +192,7 @@ impl Known {
     /// rejected command, learned nothing from).
     pub fn committed<'a>(
         &mut self,
-        slots: &HashMap<Key, Slot>,
+        slots: &Slots,
         applied: impl IntoIterator<Item = &'a Command>,
         rejected: &[Key],
     ) {
@@ -230,7 +234,7 @@ impl Known {
     /// purges).
     /// Every successful commit that writes records comes here (once), so the
     /// live places are kept here too.
-    pub fn forget_written(&mut self, slots: &HashMap<Key, Slot>) {
+    pub fn forget_written(&mut self, slots: &Slots) {
         self.live.written(slots);
         self.committed(slots, std::iter::empty(), &[]);
     }
@@ -239,6 +243,7 @@ impl Known {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::apply::Slot;
     use shelfsync_proto::{Record, RecordKey};
 
     fn patch(id: &str, data: &[u8], generation: i64) -> Command {
@@ -273,7 +278,7 @@ mod tests {
         let a = patch("a", b"x", 5);
         let b = batch(vec![a.clone()]);
         assert!(known.split(&[&b])[0].skipped.is_empty(), "nothing known yet");
-        known.committed(&HashMap::from([(key("a"), clean(false, 5))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[]);
         let split = &known.split(&[&b])[0];
         assert_eq!(split.skipped.len(), 1);
         assert!(split.rest.commands.is_empty());
@@ -291,10 +296,10 @@ mod tests {
     fn a_written_record_is_forgotten() {
         let mut known = Known::new(10);
         let a = patch("a", b"x", 5);
-        known.committed(&HashMap::from([(key("a"), clean(false, 5))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[]);
         let mut dirty = clean(false, 5);
         dirty.record_dirty = true;
-        known.forget_written(&HashMap::from([(key("a"), dirty)]));
+        known.forget_written(&Slots::from_iter([(key("a"), dirty)]));
         assert!(known.entries.is_empty());
     }
 
@@ -302,7 +307,7 @@ mod tests {
     fn a_key_with_any_unknown_command_goes_through_redis_whole() {
         let mut known = Known::new(10);
         let a = patch("a", b"x", 0);
-        known.committed(&HashMap::from([(key("a"), clean(false, 0))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 0))]), [&a], &[]);
         let first = batch(vec![a.clone()]);
         let second = batch(vec![patch("a", b"y", 0)]);
         let split = known.split(&[&first, &second]);
@@ -314,7 +319,7 @@ mod tests {
     fn an_absent_record_is_not_vouched_for_a_full_import() {
         let mut known = Known::new(10);
         let delta = patch("a", b"x", 0);
-        known.committed(&HashMap::from([(key("a"), clean(true, 3))]), [&delta], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(true, 3))]), [&delta], &[]);
         assert_eq!(known.split(&[&batch(vec![delta.clone()])])[0].skipped.len(), 1);
         let full = batch(vec![patch("a", b"x", 9)]);
         assert!(known.split(&[&full])[0].skipped.is_empty(), "bringing it back is a change");
@@ -328,7 +333,7 @@ mod tests {
         let mut save = patch("b", b"x", 0);
         save.kind = CommandKind::Save as i32;
         let c = patch("c", b"x", 0);
-        let slots = HashMap::from([
+        let slots = Slots::from_iter([
             (key("a"), clean(false, 0)),
             (key("b"), clean(false, 0)),
             (key("c"), clean(false, 0)),
@@ -341,7 +346,7 @@ mod tests {
     fn it_stops_growing_at_its_capacity() {
         let mut known = Known::new(1);
         let (a, b) = (patch("a", b"x", 0), patch("b", b"x", 0));
-        let slots = HashMap::from([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
+        let slots = Slots::from_iter([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
         known.committed(&slots, [&a, &b], &[]);
         assert_eq!(known.entries.len(), 1);
     }

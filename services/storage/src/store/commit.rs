@@ -14,7 +14,7 @@ use shelfsync_proto::{CommandBatch, SweepOutcome};
 
 use super::{Column, RedisConn, hmget_place, stored_bytes};
 use super::{Commit, Fence, Keys, Loaded, Position, Store, StoreError, StreamBinding, Writes};
-use crate::apply::{Key, Slot, Touch, touched, touched_set};
+use crate::apply::{Slots, Touch, touched, touched_set};
 
 /// How long a sweep's outcome is kept for its import's report, and a
 /// touched set whose sweep did not come (refreshed by every append).
@@ -221,7 +221,7 @@ impl CommitOps {
 
 /// The writes of dirty slots: records (their generations inside), the
 /// tombstone and absent indexes, and the place list.
-fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &HashMap<Key, Slot>) {
+fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &Slots) {
     let mut records: BTreeMap<PlaceKey, Vec<Vec<u8>>> = BTreeMap::new();
     let (mut tombstones, mut absent) = (IndexWrites::default(), IndexWrites::default());
     for ((b, p, id), slot) in slots {
@@ -371,9 +371,9 @@ impl Store {
         partition: Partition,
         place: PlaceKey,
         ids: &[String],
-    ) -> Result<HashMap<Key, Slot>, StoreError> {
+    ) -> Result<Slots, StoreError> {
         if ids.is_empty() {
-            return Ok(HashMap::new());
+            return Ok(Slots::default());
         }
         let slots = self.read_slots(&self.keys(partition), place, ids).await?;
         Ok(ids.iter().map(|id| (place.brand_id, place.place_id, id.clone())).zip(slots).collect())

@@ -51,7 +51,7 @@ use prost::Message;
 use shelfsync_proto::{PlaceKey, Record, RecordKey};
 use shelfsync_settings::RedisSettings;
 
-use crate::apply::{GenEntry, Key, Slot, Touch};
+use crate::apply::{GenEntry, Slot, Slots, Touch};
 use shelfsync_proto::{OutboxEntry, SweepOutcome};
 
 mod commit;
@@ -105,7 +105,7 @@ impl StoreError {
 pub struct Loaded {
     /// Where the partition stands (applied sequence 0: none).
     pub at: Position,
-    pub slots: HashMap<Key, Slot>,
+    pub slots: Slots,
 }
 
 /// Where a partition stands: the last command message applied whole, and
@@ -135,7 +135,7 @@ pub struct Fence {
 /// Everything one commit writes besides the position.
 #[derive(Debug, Default)]
 pub struct Writes<'a> {
-    pub slots: Option<&'a HashMap<Key, Slot>>,
+    pub slots: Option<&'a Slots>,
     /// Records full imports carried (appended to their touched sets).
     pub touched: &'a [Touch],
     pub outbox: &'a [OutboxEntry],

@@ -228,13 +228,14 @@ impl Worker {
         // order they were applied, under the last one's sequence.
         let (mut changes, mut rejections) = (Vec::new(), Vec::new());
         let mut outcomes = Vec::with_capacity(todo.len());
-        let mut skipped = Vec::new();
+        // The touches of the commands skipped: still carried by their import.
+        let mut carried = Vec::new();
         for ((_, batch), split) in &todo {
             let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
             let n = split.skipped.len() as u64;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
             self.stats.known_skipped(n);
-            skipped.extend(split.skipped.iter().cloned());
+            carried.extend(split.skipped.iter().filter_map(crate::known::Skipped::touch));
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
             rejections.extend(outcome.rejections.iter().cloned());
@@ -243,7 +244,7 @@ impl Worker {
         let touched: Vec<crate::apply::Touch> = outcomes
             .iter()
             .flat_map(|(_, _, o)| o.touched.iter().cloned())
-            .chain(skipped.iter().filter_map(crate::known::Skipped::touch))
+            .chain(carried)
             .collect();
         let rejected: Vec<crate::apply::Key> = rejections
             .iter()

@@ -5,7 +5,7 @@
 use shelfsync_proto::{ChangeBatch, KeyframeBatch, KeyframeMark, PlaceKey, Record, msg_type};
 use shelfsync_telemetry::chain;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -155,7 +155,7 @@ impl Worker {
     }
 
     /// Notes the records of the frozen place that a commit changed.
-    pub(crate) fn note_changed(&self, slots: &HashMap<crate::apply::Key, crate::apply::Slot>) {
+    pub(crate) fn note_changed(&self, slots: &crate::apply::Slots) {
         let mut tracked = self.changed_since_freeze.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((place, ids)) = tracked.as_mut() {
             for ((b, p, id), slot) in slots {
