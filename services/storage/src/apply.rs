@@ -291,6 +291,27 @@ fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Box<Rejection>>
     Ok(key)
 }
 
+/// Whether applying `cmd` once more to `slot` (a record as a commit just
+/// wrote it) would change nothing at all, found by doing it, on a copy in
+/// `scratch` (emptied first), with the same code as any command.
+pub fn changes_nothing(
+    cmd: &Command,
+    key: &Key,
+    slot: &Slot,
+    limits: &Limits,
+    scratch: &mut Slots,
+) -> bool {
+    scratch.clear();
+    let copy = Slot { record: slot.record.clone(), generation: slot.generation, ..Slot::default() };
+    scratch.insert(key.clone(), copy);
+    let outcome = apply_command(cmd, scratch, limits);
+    let after = scratch.get(key);
+    matches!(outcome, Ok(None))
+        && after.is_some_and(|s| {
+            !s.record_dirty && !s.gen_dirty && s.tombstone.is_none() && s.absent_index.is_none()
+        })
+}
+
 /// Applies one command to its slot. `Ok(None)`: nothing observable changed
 /// (the generation may have been written silently).
 fn apply_command(

@@ -10,9 +10,12 @@
 //! as carried (its touch) without reading the record.
 //!
 //! Rules that keep it exact:
-//! - a hash is learned only from an observation: the command was applied to
-//!   the stored record and changed nothing (never from a guess that a patch
-//!   is idempotent);
+//! - a hash is learned only from an observation (never from a guess that a
+//!   patch is idempotent): the command was applied to the stored record and
+//!   changed nothing, or it was the only command of its commit on a record
+//!   it wrote, and applying it once more to the record as written, on a copy
+//!   with the same code, changed nothing (so the first re-import after an
+//!   initial one is vouched for too);
 //! - any commit that writes a record forgets it; a commit that fails or is
 //!   fenced, and every (re)bind of the partition, forgets everything;
 //! - only plain PATCHes are vouched for (no SAVE, DELETE or compare-and-swap),
@@ -24,7 +27,7 @@
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::apply::{FastMap, Key, Slots, Touch};
+use crate::apply::{FastMap, Key, Limits, Slots, Touch, changes_nothing};
 
 pub mod live;
 
@@ -186,40 +189,40 @@ impl Known {
             .collect()
     }
 
-    /// After a successful commit: forgets every record it wrote, notes the
-    /// generations it wrote, and learns the commands of `applied` that were
-    /// applied to a record and left it as it was (`rejected`: keys with a
-    /// rejected command, learned nothing from).
+    /// After a successful commit (and its [`Known::forget_written`]):
+    /// learns the commands of `applied` that left a record as it was, or
+    /// wrote it and would leave it as written (tried under `limits`, the
+    /// commit's); `rejected`: keys with a rejected command, learned nothing
+    /// from.
     pub fn committed<'a>(
         &mut self,
         slots: &Slots,
         applied: impl IntoIterator<Item = &'a Command>,
         rejected: &[Key],
+        limits: &Limits,
     ) {
-        for ((b, p, id), slot) in slots {
-            let k = key_hash(*b, *p, id);
-            if slot.record_dirty {
-                self.entries.remove(&k);
-            } else if slot.gen_dirty
-                && let Some(e) = self.entries.get_mut(&k)
-            {
-                e.generation = slot.generation;
-            }
+        let applied: Vec<(&Command, Option<u128>)> =
+            applied.into_iter().map(|cmd| (cmd, command_key(cmd))).collect();
+        let mut commands_on: FastMap<u128, u32> = FastMap::default();
+        for k in applied.iter().filter_map(|(_, k)| *k) {
+            *commands_on.entry(k).or_default() += 1;
         }
-        for cmd in applied {
+        let mut scratch = Slots::default();
+        for (cmd, k) in applied {
             let hash = command_hash(cmd);
-            let Some(key) = cmd.key.as_ref() else { continue };
+            let (Some(key), Some(k)) = (cmd.key.as_ref(), k) else { continue };
             let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
             let Some(slot) = slots.get(&slot_key) else { continue };
-            if hash == 0
-                || slot.record_dirty
-                || slot.record.is_none()
-                || rejected.contains(&slot_key)
-            {
+            if hash == 0 || slot.record.is_none() || rejected.contains(&slot_key) {
                 continue;
             }
-            let k = key_hash(key.brand_id, key.place_id, &key.product_id);
             if !self.entries.contains_key(&k) && self.entries.len() >= self.capacity {
+                continue;
+            }
+            if slot.record_dirty
+                && (commands_on.get(&k) != Some(&1)
+                    || !changes_nothing(cmd, &slot_key, slot, limits, &mut scratch))
+            {
                 continue;
             }
             let r = slot.record.as_ref().expect("checked above");
@@ -230,21 +233,39 @@ impl Known {
         }
     }
 
-    /// Forgets the records a commit wrote (one that learns nothing: sweeps,
-    /// purges).
-    /// Every successful commit that writes records comes here (once), so the
-    /// live places are kept here too.
+    /// Forgets the records a commit wrote and notes the generations it
+    /// wrote. Every successful commit that writes records comes here (once),
+    /// so the live places are kept here too.
     pub fn forget_written(&mut self, slots: &Slots) {
         self.live.written(slots);
-        self.committed(slots, std::iter::empty(), &[]);
+        for ((b, p, id), slot) in slots {
+            let k = key_hash(*b, *p, id);
+            if slot.record_dirty {
+                self.entries.remove(&k);
+            } else if slot.gen_dirty
+                && let Some(e) = self.entries.get_mut(&k)
+            {
+                e.generation = slot.generation;
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apply::Slot;
-    use shelfsync_proto::{Record, RecordKey};
+    use crate::apply::{Slot, apply_batch};
+    use prost::Message;
+    use shelfsync_proto::{Product, Record, RecordKey};
+
+    fn limits() -> Limits {
+        Limits { partition: 0, partitions: 1, max_record_bytes: 1 << 20, now_us: 1_000 }
+    }
+
+    fn price(id: &str, price: i64, generation: i64) -> Command {
+        let data = Product { price: Some(price), ..Default::default() }.encode_to_vec();
+        patch(id, &data, generation)
+    }
 
     fn patch(id: &str, data: &[u8], generation: i64) -> Command {
         Command {
@@ -278,7 +299,7 @@ mod tests {
         let a = patch("a", b"x", 5);
         let b = batch(vec![a.clone()]);
         assert!(known.split(&[&b])[0].skipped.is_empty(), "nothing known yet");
-        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[], &limits());
         let split = &known.split(&[&b])[0];
         assert_eq!(split.skipped.len(), 1);
         assert!(split.rest.commands.is_empty());
@@ -296,7 +317,7 @@ mod tests {
     fn a_written_record_is_forgotten() {
         let mut known = Known::new(10);
         let a = patch("a", b"x", 5);
-        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[], &limits());
         let mut dirty = clean(false, 5);
         dirty.record_dirty = true;
         known.forget_written(&Slots::from_iter([(key("a"), dirty)]));
@@ -307,7 +328,7 @@ mod tests {
     fn a_key_with_any_unknown_command_goes_through_redis_whole() {
         let mut known = Known::new(10);
         let a = patch("a", b"x", 0);
-        known.committed(&Slots::from_iter([(key("a"), clean(false, 0))]), [&a], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(false, 0))]), [&a], &[], &limits());
         let first = batch(vec![a.clone()]);
         let second = batch(vec![patch("a", b"y", 0)]);
         let split = known.split(&[&first, &second]);
@@ -319,7 +340,7 @@ mod tests {
     fn an_absent_record_is_not_vouched_for_a_full_import() {
         let mut known = Known::new(10);
         let delta = patch("a", b"x", 0);
-        known.committed(&Slots::from_iter([(key("a"), clean(true, 3))]), [&delta], &[]);
+        known.committed(&Slots::from_iter([(key("a"), clean(true, 3))]), [&delta], &[], &limits());
         assert_eq!(known.split(&[&batch(vec![delta.clone()])])[0].skipped.len(), 1);
         let full = batch(vec![patch("a", b"x", 9)]);
         assert!(known.split(&[&full])[0].skipped.is_empty(), "bringing it back is a change");
@@ -338,7 +359,7 @@ mod tests {
             (key("b"), clean(false, 0)),
             (key("c"), clean(false, 0)),
         ]);
-        known.committed(&slots, [&cas, &save, &c], &[key("c")]);
+        known.committed(&slots, [&cas, &save, &c], &[key("c")], &limits());
         assert!(known.entries.is_empty());
     }
 
@@ -347,7 +368,33 @@ mod tests {
         let mut known = Known::new(1);
         let (a, b) = (patch("a", b"x", 0), patch("b", b"x", 0));
         let slots = Slots::from_iter([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
-        known.committed(&slots, [&a, &b], &[]);
+        known.committed(&slots, [&a, &b], &[], &limits());
         assert_eq!(known.entries.len(), 1);
+    }
+
+    #[test]
+    fn a_record_written_is_vouched_for_when_its_command_would_leave_it_as_written() {
+        let mut known = Known::new(10);
+        let written = |cmds: Vec<Command>| {
+            let mut slots = Slots::default();
+            let out = apply_batch(&batch(cmds), &mut slots, &Default::default(), &limits());
+            assert!(out.rejections.is_empty(), "{:?}", out.rejections);
+            slots
+        };
+        let a = price("a", 5, 1);
+        let slots = written(vec![a.clone()]);
+        assert!(slots[&key("a")].record_dirty);
+        known.forget_written(&slots);
+        known.committed(&slots, [&a], &[], &limits());
+        let split = &known.split(&[&batch(vec![price("a", 5, 2)])])[0];
+        assert_eq!(split.skipped.len(), 1, "the next import's same command is vouched for");
+        assert!(known.split(&[&batch(vec![price("a", 6, 2)])])[0].skipped.is_empty());
+
+        // Two commands on the record in one commit: nothing is learned.
+        let (b1, b2) = (price("b", 5, 1), price("b", 6, 1));
+        let slots = written(vec![b1.clone(), b2.clone()]);
+        known.forget_written(&slots);
+        known.committed(&slots, [&b1, &b2], &[], &limits());
+        assert!(known.split(&[&batch(vec![price("b", 6, 2)])])[0].skipped.is_empty());
     }
 }

@@ -262,7 +262,7 @@ impl Worker {
             Commit::Fenced => return Err(HandleError::Fenced),
         }
         let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
-        self.known().committed(&loaded.slots, applied, &rejected);
+        self.known().committed(&loaded.slots, applied, &rejected, &limits);
         self.wait_replicas().await?;
         self.note_changed(&loaded.slots);
         self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(p, _)| *p)));
