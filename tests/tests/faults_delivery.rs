@@ -47,8 +47,23 @@ fn prices(
 struct Frozen(u32);
 
 impl Frozen {
+    /// Returns once every thread of the process is stopped (`kill` returns
+    /// when the signal is sent, not when it has taken effect).
     fn new(pid: u32) -> Self {
         signal(pid, "STOP");
+        let stopped = |tid: &std::path::Path| {
+            let stat = std::fs::read_to_string(tid.join("stat")).unwrap_or_default();
+            // The state follows the command name, which is in parentheses.
+            stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) == Some("T")
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("its threads");
+            if tasks.flatten().all(|t| stopped(&t.path())) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         Frozen(pid)
     }
 }
