@@ -275,7 +275,7 @@ async fn naive_batch(
                     ..Default::default()
                 }),
                 kind: ChangeKind::Updated as i32,
-                origin: c.origin.clone(),
+                origin: c.origin.clone().or_else(|| batch.origin.clone()),
                 ..Default::default()
             };
             let len = change.encoded_len() + 6;

@@ -976,7 +976,8 @@ async fn dead_lettered_commands_are_shown_and_published_again() -> anyhow::Resul
     let subjects = Subjects::new(&env.prefix);
     let partition = partition_of(7, 42, 4).0;
     let key = RecordKey::new(7, 42, "sku-9");
-    let command = CommandBatch { partition, commands: vec![patch(&key, 700, 0)], sweeps: vec![] };
+    let command =
+        CommandBatch { partition, commands: vec![patch(&key, 700, 0)], ..Default::default() };
     // As storage dead-letters: a rejection with the whole message, and one
     // with a copy cut at 128 KiB.
     let mut seqs = Vec::new();

@@ -217,7 +217,7 @@ pub async fn release(ctx: &Context, args: ReleaseArgs) -> anyhow::Result<()> {
         let partition = partition_of(held.brand_id, held.place_id, partitions);
         let sweep = Sweep { guard: None, release_held: true, ..held.clone() };
         let batch =
-            CommandBatch { partition: partition.0, commands: Vec::new(), sweeps: vec![sweep] };
+            CommandBatch { partition: partition.0, sweeps: vec![sweep], ..Default::default() };
         let msg_id = format!("{}:release:{}:{}", held.import_id, held.brand_id, held.place_id);
         publisher
             .publish(

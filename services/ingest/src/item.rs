@@ -334,22 +334,22 @@ pub struct CommandContext {
 }
 
 impl CommandContext {
-    fn origin(&self, published_at: i64) -> Option<Origin> {
+    pub fn origin(&self, published_at: i64) -> Option<Origin> {
         let (source, import_id) = (self.source.clone(), self.import_id.clone());
         Some(Origin { source, import_id, published_at })
     }
 }
 
 /// One item, one PATCH: the owned fields it carries, and (with
-/// `clear_missing`) the owned fields it no longer carries.
-pub fn to_command(item: Item, ctx: &CommandContext, published_at: i64) -> Command {
+/// `clear_missing`) the owned fields it no longer carries. Its origin is its
+/// batch's ([`CommandContext::origin`], set once per message).
+pub fn to_command(item: Item, ctx: &CommandContext) -> Command {
     Command {
         key: Some(RecordKey::new(ctx.brand_id, item.place_id, item.id)),
         kind: CommandKind::Patch as i32,
         data: item.product.encode_to_vec(),
         clear_data_fields: if ctx.clear_missing { item.missing } else { Vec::new() },
         generation: ctx.generation,
-        origin: ctx.origin(published_at),
         ..Default::default()
     }
 }
@@ -392,7 +392,7 @@ mod tests {
             "currency":"RUB","stock":0,"images":["a.jpg","b.jpg"],"description":"d","extra":{"x":[1]}}"#;
         let item = parse_item(raw, Some(42), &rules(OwnedFields::ALL)).expect("valid");
         assert!(item.missing.is_empty());
-        let cmd = to_command(item, &context(true), 9);
+        let cmd = to_command(item, &context(true));
         assert_eq!((cmd.kind, cmd.generation), (CommandKind::Patch as i32, 5));
         assert_eq!(cmd.key, Some(RecordKey::new(7, 42, "sku-1")));
         let p = Product::decode(cmd.data.as_slice()).expect("decodes");
@@ -413,8 +413,8 @@ mod tests {
         let item = parse_item(raw, Some(1), &rules(owned)).expect("valid");
         assert_eq!(item.product, Product { price: Some(100), ..Default::default() });
         assert_eq!(item.missing, vec![product_field::OLD_PRICE, product_field::STOCK]);
-        assert!(to_command(item.clone(), &context(false), 0).clear_data_fields.is_empty());
-        assert_eq!(to_command(item, &context(true), 0).clear_data_fields, vec![4, 6]);
+        assert!(to_command(item.clone(), &context(false)).clear_data_fields.is_empty());
+        assert_eq!(to_command(item, &context(true)).clear_data_fields, vec![4, 6]);
         assert_eq!(OwnedFields::from_names(&product_field::NAMES), OwnedFields::ALL);
     }
 

@@ -136,11 +136,13 @@ async fn a_full_import_publishes_patches_then_one_sweep_per_place() -> Result {
         assert!(batch.sweeps.is_empty(), "every sweep comes after every command");
         assert_eq!(subject, &h.subjects.cmd(shelfsync_bus::Partition(batch.partition)));
         assert!(msg_id.starts_with(&format!("{}:{}:", r.import_id, batch.partition)), "{msg_id}");
+        // The import's origin, once per batch.
+        assert_eq!(batch.origin.as_ref().expect("origin").import_id, r.import_id);
         for c in &batch.commands {
             let place = c.key.as_ref().expect("key").place_id;
             assert_eq!(batch.partition, partition_of(7, place, 4).0);
             assert_eq!((c.kind, c.generation), (CommandKind::Patch as i32, r.generation));
-            assert_eq!(c.origin.as_ref().expect("origin").import_id, r.import_id);
+            assert_eq!(c.origin, None, "each command has its batch's");
         }
     }
     let commands = h.commands().await?;

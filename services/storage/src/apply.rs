@@ -232,19 +232,31 @@ pub fn apply_batch(
     limits: &Limits,
 ) -> Outcome {
     let mut out = Outcome::default();
+    // A command without an origin of its own has its batch's.
+    let inherit = |origin: &mut Option<Origin>| {
+        if origin.is_none() {
+            origin.clone_from(&batch.origin);
+        }
+    };
     for cmd in &batch.commands {
         match apply_command(cmd, slots, limits) {
             Ok(change) => {
                 out.applied += 1;
                 match change {
-                    Some(change) => out.changes.push(change),
+                    Some(mut change) => {
+                        inherit(&mut change.origin);
+                        out.changes.push(change);
+                    }
                     None => out.unchanged += 1,
                 }
                 if let Some(touch) = touch_of(cmd) {
                     out.touched.push(touch);
                 }
             }
-            Err(rejection) => out.rejections.push(*rejection),
+            Err(mut rejection) => {
+                inherit(&mut rejection.origin);
+                out.rejections.push(*rejection);
+            }
         }
     }
     for sweep in &batch.sweeps {

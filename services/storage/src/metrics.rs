@@ -113,14 +113,20 @@ impl Stats {
         counter!(names::COMMANDS_UNCHANGED).increment(o.unchanged);
         counter!(names::CHANGES_EMITTED).increment(n_changes);
         let freshness = histogram!(names::FRESHNESS_SECONDS, "stage" => "storage");
+        // A command without an origin of its own has its batch's.
+        let since =
+            |o: &shelfsync_proto::Origin| shelfsync_telemetry::seconds_since_us(o.published_at);
+        let mut inherited = 0;
         for c in &batch.commands {
-            if let Some(s) = c
-                .origin
-                .as_ref()
-                .and_then(|o| shelfsync_telemetry::seconds_since_us(o.published_at))
-            {
-                freshness.record(s);
+            match &c.origin {
+                Some(o) => since(o).into_iter().for_each(|s| freshness.record(s)),
+                None => inherited += 1,
             }
+        }
+        if let Some(s) = batch.origin.as_ref().and_then(since)
+            && inherited > 0
+        {
+            freshness.record_many(s, inherited);
         }
         rejected(&o.rejections);
     }

@@ -73,7 +73,7 @@ impl Run<'_> {
             let mut sink = |event: FeedEvent| {
                 chunk.push(match event {
                     FeedEvent::Place(place) => Event::Place(place),
-                    FeedEvent::Item(item) => Event::Command(to_command(item, &ctx, now_us())),
+                    FeedEvent::Item(item) => Event::Command(to_command(item, &ctx)),
                     FeedEvent::Reject(r) => {
                         Event::Reject(r.place_id.unwrap_or(0), to_rejection(r, &ctx, now_us()))
                     }
@@ -151,11 +151,17 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Publishes a batch of commands, with the import's origin once for all.
     pub(super) async fn publish_batch(
         &mut self,
         partition: Partition,
-        batch: CommandBatch,
+        mut batch: CommandBatch,
     ) -> Result<(), ImportError> {
+        batch.origin = Some(Origin {
+            source: self.partner.name.clone(),
+            import_id: self.report.import_id.clone(),
+            published_at: now_us(),
+        });
         let seq = self.batch_seq.entry(partition).or_default();
         let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
         *seq += 1;
@@ -266,6 +272,7 @@ impl Run<'_> {
                     }),
                     release_held: false,
                 }],
+                origin: None,
             };
             let msg_id = format!("{}:sweep:{place_id}", self.report.import_id);
             self.publish_cmd(partition, msg_id, batch).await?;

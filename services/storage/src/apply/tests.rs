@@ -125,7 +125,7 @@ fn sweep(generation: i64) -> Sweep {
 }
 
 fn batch(commands: Vec<Command>) -> CommandBatch {
-    CommandBatch { partition: 0, commands, sweeps: Vec::new() }
+    CommandBatch { partition: 0, commands, sweeps: Vec::new(), origin: None }
 }
 
 fn batch_then_sweep(commands: Vec<Command>, sweep: Sweep) -> CommandBatch {
@@ -360,6 +360,22 @@ fn a_patch_of_a_missing_record_creates_it() {
     assert_eq!(slot.tombstone, None);
     assert_eq!(store.record("sku-1"), &Record { key: None, ..a.clone() });
     assert_eq!(store.gen_entry("sku-1"), GenEntry::default());
+}
+
+#[test]
+fn a_command_without_an_origin_has_its_batch_s() {
+    let mut store = Store::new();
+    let of_batch = Origin { source: "batch".into(), ..origin() };
+    let own = patch("own", &price(100, 120));
+    let bare = Command { origin: None, ..patch("bare", &price(100, 120)) };
+    let bad = Command { kind: 99, origin: None, ..patch("bad", &price(1, 1)) };
+    let b = CommandBatch { origin: Some(of_batch.clone()), ..batch(vec![own, bare, bad]) };
+
+    let run = store.run(&b);
+
+    let origins: Vec<_> = run.outcome.changes.iter().map(|c| c.origin.clone()).collect();
+    assert_eq!(origins, vec![Some(origin()), Some(of_batch.clone())]);
+    assert_eq!(run.outcome.rejections[0].origin, Some(of_batch));
 }
 
 #[test]
@@ -1217,6 +1233,7 @@ fn touched_lists_each_valid_key_once_and_each_swept_place_once() {
             Command { key: None, ..patch("x", &stock(1)) },
         ],
         sweeps: vec![sweep(G2), sweep_at(OTHER_PLACE, G1), sweep(G1)],
+        origin: None,
     };
 
     let (keys, places) = touched(&b);

@@ -171,6 +171,7 @@ impl Known {
                     partition: b.partition,
                     commands: Vec::new(),
                     sweeps: b.sweeps.clone(),
+                    origin: b.origin.clone(),
                 };
                 let mut split = Split { rest, skipped: Vec::new() };
                 for cmd in &b.commands {
