@@ -275,7 +275,7 @@ async fn naive_batch(
                     ..Default::default()
                 }),
                 kind: ChangeKind::Updated as i32,
-                origin: c.origin.clone().or_else(|| batch.origin.clone()),
+                origin: batch.origin_of(c).cloned(),
                 ..Default::default()
             };
             let len = change.encoded_len() + 6;

@@ -138,8 +138,7 @@ impl Lab {
         for seq in 1..=last {
             let m = stream.get_raw_message(seq).await.expect("a message");
             let b = CommandBatch::decode(m.payload).expect("a CommandBatch");
-            let from_command =
-                b.commands.first().and_then(|c| c.origin.as_ref().or(b.origin.as_ref()));
+            let from_command = b.commands.first().and_then(|c| b.origin_of(c));
             let id = match (from_command, b.sweeps.first()) {
                 (Some(origin), _) => origin.import_id.clone(),
                 (None, Some(sweep)) => sweep.import_id.clone(),

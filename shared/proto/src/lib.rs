@@ -80,3 +80,10 @@ impl RecordKey {
         Self { brand_id, place_id, product_id: product_id.into() }
     }
 }
+
+impl CommandBatch {
+    /// The origin of `command`, one of this batch's: its own, else the batch's.
+    pub fn origin_of<'a>(&'a self, command: &'a Command) -> Option<&'a Origin> {
+        command.origin.as_ref().or(self.origin.as_ref())
+    }
+}

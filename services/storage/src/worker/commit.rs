@@ -360,8 +360,8 @@ fn oldest_published<'a>(
 ) -> i64 {
     batches
         .into_iter()
-        .flat_map(|(_, b)| b.commands.iter().map(move |c| c.origin.as_ref().or(b.origin.as_ref())))
-        .filter_map(|o| o.map(|o| o.published_at))
+        .flat_map(|(_, b)| b.commands.iter().filter_map(move |c| b.origin_of(c)))
+        .map(|o| o.published_at)
         .filter(|&t| t > 0)
         .min()
         .unwrap_or(0)
