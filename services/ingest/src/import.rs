@@ -30,7 +30,7 @@ use shelfsync_bus::{
     CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of,
 };
 use shelfsync_proto::{
-    Command, CommandBatch, Origin, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
+    Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
     SweepsRequest, msg_type, now_us,
 };
 use shelfsync_settings::{

@@ -342,7 +342,7 @@ impl CommandContext {
 
 /// One item, one PATCH: the owned fields it carries, and (with
 /// `clear_missing`) the owned fields it no longer carries. Its origin is its
-/// batch's ([`CommandContext::origin`], set once per message).
+/// batch's ([`CommandContext::origin`], set once per message when it is published).
 pub fn to_command(item: Item, ctx: &CommandContext) -> Command {
     Command {
         key: Some(RecordKey::new(ctx.brand_id, item.place_id, item.id)),

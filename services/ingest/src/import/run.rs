@@ -59,13 +59,7 @@ impl Run<'_> {
             owned: OwnedFields::from_names(&self.partner.fields),
             max_item_bytes: cfg.max_item_bytes,
         };
-        let ctx = CommandContext {
-            brand_id: self.partner.brand_id,
-            generation: self.report.generation,
-            clear_missing: self.partner.clear_missing,
-            source: self.partner.name.clone(),
-            import_id: self.report.import_id.clone(),
-        };
+        let ctx = self.context();
         let format = self.partner.format;
         let reader = Counting { inner: reader, count: bytes_in.clone() };
         let parser = tokio::task::spawn_blocking(move || {
@@ -151,17 +145,24 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// What the import's commands and rejections are made with.
+    fn context(&self) -> CommandContext {
+        CommandContext {
+            brand_id: self.partner.brand_id,
+            generation: self.report.generation,
+            clear_missing: self.partner.clear_missing,
+            source: self.partner.name.clone(),
+            import_id: self.report.import_id.clone(),
+        }
+    }
+
     /// Publishes a batch of commands, with the import's origin once for all.
     pub(super) async fn publish_batch(
         &mut self,
         partition: Partition,
         mut batch: CommandBatch,
     ) -> Result<(), ImportError> {
-        batch.origin = Some(Origin {
-            source: self.partner.name.clone(),
-            import_id: self.report.import_id.clone(),
-            published_at: now_us(),
-        });
+        batch.origin = self.context().origin(now_us());
         let seq = self.batch_seq.entry(partition).or_default();
         let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
         *seq += 1;
