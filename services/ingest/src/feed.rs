@@ -16,11 +16,18 @@
 //!   NDJSON feed of 5M items needs ~150 MB for it). A place repeated in the
 //!   nested `places` array starts a fresh set.
 //!
-//! Whatever serde_json reads whole — one raw item, an object key, the
-//! `brand_id` and `place_id` values, a value of the wrong type where an
-//! array or object was expected — is read with a hard cap armed (well above
-//! `max_item_bytes`): a bad item is rejected alone while the rest of the feed
-//! lands, and a 1 GB "item" or key fails the feed before it is in memory.
+//! serde_json does not read the items themselves: the reader under its
+//! buffer cuts each object of an `items` array out of what serde_json is
+//! given (`cut.rs`), scanning it only for strings and brackets, and the
+//! item parser reads it from its slice, once; errors keep serde_json's
+//! text, line and column.
+//!
+//! Whatever is read whole — one raw item (cut out, or read by serde_json
+//! where it is not an object), an object key, the `brand_id` and
+//! `place_id` values, a value of the wrong type where an array or object
+//! was expected — is read with a hard cap (well above `max_item_bytes`): a
+//! bad item is rejected alone while the rest of the feed lands, and a 1 GB
+//! "item" or key fails the feed before it is in memory.
 //! Keys and values under keys the parser does not know are skipped without
 //! being buffered, however large (serde_json's skip copies nothing), so they
 //! are ignored like any unknown field.
@@ -52,12 +59,14 @@ use shelfsync_settings::FeedFormat;
 
 use crate::item::{Item, ItemRules, Reason, Reject};
 
+mod cut;
 mod intake;
 mod ndjson;
 mod nested;
 #[cfg(test)]
 mod tests;
 
+use cut::Cut;
 use intake::{Intake, ReadState, Scan};
 use ndjson::ndjson;
 use nested::Parser;
@@ -109,10 +118,22 @@ pub enum FeedError {
 /// Parses a whole feed, sending every event to `sink` as soon as it is known
 /// (for the nested format: as soon as its brand is known to be right).
 pub fn parse_feed<R: Read>(
+    reader: R,
+    format: FeedFormat,
+    rules: &ItemRules,
+    sink: &mut dyn FnMut(FeedEvent) -> Result<(), Stopped>,
+) -> Result<Layout, FeedError> {
+    parse(reader, format, rules, sink, true)
+}
+
+/// [`parse_feed`], with the items of the nested format cut out under
+/// serde_json or not (the tests compare the two).
+fn parse<R: Read>(
     mut reader: R,
     format: FeedFormat,
     rules: &ItemRules,
     sink: &mut dyn FnMut(FeedEvent) -> Result<(), Stopped>,
+    cutting: bool,
 ) -> Result<Layout, FeedError> {
     let (mut head, eof) = read_head(&mut reader).map_err(FeedError::Io)?;
     let bom = if head.starts_with(b"\xEF\xBB\xBF") { 3 } else { 0 };
@@ -133,10 +154,16 @@ pub fn parse_feed<R: Read>(
     let bytes = io::Cursor::new(head).chain(reader);
     match layout {
         Layout::Nested => {
-            let state = Rc::new(ReadState::default());
-            let intake = Intake { inner: bytes, state: state.clone(), scan: Some(Scan::default()) };
-            let mut parser =
-                Parser { rules: *rules, sink, state, fatal: None, ids: HashSet::new() };
+            let state = Rc::new(ReadState { cutting, ..ReadState::default() });
+            let mut parser = Parser {
+                rules: *rules,
+                sink,
+                state: state.clone(),
+                fatal: None,
+                ids: HashSet::new(),
+            };
+            let cut = cutting.then(|| Cut::new(parser.hard_cap()));
+            let intake = Intake { inner: bytes, state, scan: Some(Scan::default()), cut };
             parser.nested(BufReader::with_capacity(BUFFER_BYTES, intake))?;
         }
         Layout::Ndjson => ndjson(BufReader::with_capacity(BUFFER_BYTES, bytes), rules, sink)?,

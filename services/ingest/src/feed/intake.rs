@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::rc::Rc;
 
+use super::cut::{Cut, Cuts};
 use super::nested::Key;
 
 /// What the parser shares with the reader under serde_json's buffer: how
@@ -22,6 +23,9 @@ pub(super) struct ReadState {
     /// What was being read when the cap was hit.
     pub(super) tripped: Cell<Option<&'static str>>,
     pub(super) spool: RefCell<Option<Spool>>,
+    /// Items are cut out of the document under serde_json ([`Cut`]).
+    pub(super) cutting: bool,
+    pub(super) cuts: RefCell<Cuts>,
 }
 
 impl ReadState {
@@ -76,11 +80,14 @@ pub(super) fn spool_error(e: io::Error) -> io::Error {
 /// top-level `brand_id` key has gone by, watches the top level of the
 /// document ([`Scan`]) to move each `places` array that comes before it into
 /// the spool; serde_json gets `[]` in its place. Once `brand_id` shows up
-/// first (the usual order) the bytes pass through untouched.
+/// first (the usual order) the bytes pass through that watch untouched.
+/// Then, in the document (not in a spooled copy), each item is cut out of
+/// what serde_json is given ([`Cut`]).
 pub(super) struct Intake<R> {
     pub(super) inner: R,
     pub(super) state: Rc<ReadState>,
     pub(super) scan: Option<Scan>,
+    pub(super) cut: Option<Cut>,
 }
 
 impl<R: Read> Read for Intake<R> {
@@ -90,6 +97,10 @@ impl<R: Read> Read for Intake<R> {
             && state.read.get() > limit
         {
             state.tripped.set(Some(what));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "over the hard size cap"));
+        }
+        if self.cut.as_ref().is_some_and(Cut::over) {
+            // Not a byte more: the walk fails on the item that went over.
             return Err(io::Error::new(io::ErrorKind::InvalidData, "over the hard size cap"));
         }
         loop {
@@ -104,8 +115,14 @@ impl<R: Read> Read for Intake<R> {
                 }
                 _ => n,
             };
+            let kept = match &mut self.cut {
+                Some(cut) if n == 0 => cut.finish(buf, &mut state.cuts.borrow_mut()),
+                Some(cut) => cut.filter(&mut buf[..kept], &mut state.cuts.borrow_mut()),
+                None => kept,
+            };
             state.read.set(state.read.get() + kept as u64);
-            // A read that went to the spool whole is not the end of the feed.
+            // A read that went to the spool or to the cuts whole is not the
+            // end of the feed.
             if kept > 0 || n == 0 {
                 return Ok(kept);
             }

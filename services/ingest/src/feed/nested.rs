@@ -7,9 +7,12 @@ use std::fmt;
 use std::io::{BufReader, Read, Seek};
 use std::rc::Rc;
 
+use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::error::Category;
 use serde_json::value::RawValue;
 
+use super::cut::{CutItem, End};
 use super::intake::{Intake, ReadState, Spool, spool_error};
 use super::{BUFFER_BYTES, FeedError, FeedEvent, Stopped, duplicate, id_key};
 use crate::item::{self, ItemRules, Reason, Reject, parse_item};
@@ -59,15 +62,83 @@ impl Parser<'_> {
         self.capture("an object key", || map.next_key_seed(KeySeed))
     }
 
-    pub(super) fn nested_item<E: de::Error>(&mut self, place_id: i64, raw: &str) -> Result<(), E> {
+    /// One item of a place. A cut item (with its place in the feed) is
+    /// checked when it is rejected: a syntax error fails the feed.
+    pub(super) fn nested_item<E: de::Error>(
+        &mut self,
+        place_id: i64,
+        raw: &str,
+        cut: Option<&CutItem>,
+    ) -> Result<(), E> {
         let event = match parse_item(raw, Some(place_id), &self.rules) {
             Ok(item) if !self.ids.insert(id_key(&item.id)) => {
                 FeedEvent::Reject(duplicate(item, raw.as_bytes()))
             }
             Ok(item) => FeedEvent::Item(item),
-            Err(reject) => FeedEvent::Reject(reject),
+            Err(reject) => {
+                if let Some(cut) = cut {
+                    self.check(cut, raw.as_bytes())?;
+                }
+                FeedEvent::Reject(reject)
+            }
         };
         self.emit(event)
+    }
+
+    /// An item cut out of the document, as serde_json reaches its
+    /// placeholder: handed over, kept until the `place_id` is known, or
+    /// failing the feed where serde_json would have.
+    fn cut_item<E: de::Error>(
+        &mut self,
+        place_id: Option<i64>,
+        pending: &mut Vec<Box<str>>,
+    ) -> Result<(), E> {
+        let state = self.state.clone();
+        let Some(cut) = state.cuts.borrow_mut().next() else {
+            let detail = "an item was read that was not cut out (a bug in the feed parser)";
+            return Err(self.fail(FeedError::Malformed(detail.into())));
+        };
+        // Only the reader under serde_json changes the cuts, and it is not
+        // reading now.
+        let cuts = state.cuts.borrow();
+        let bytes = cuts.bytes(&cut);
+        match (cut.ended, std::str::from_utf8(bytes), place_id) {
+            (End::Closed, Ok(raw), Some(place_id)) => self.nested_item(place_id, raw, Some(&cut)),
+            (End::Closed, Ok(raw), None) => {
+                self.check(&cut, bytes)?;
+                pending.push(raw.into());
+                Ok(())
+            }
+            _ => {
+                self.check(&cut, bytes)?;
+                let (line, column) = cut.position(1, 1);
+                let detail = format!("an item at line {line} column {column} was cut short");
+                Err(self.fail(FeedError::Malformed(detail)))
+            }
+        }
+    }
+
+    /// Reads a cut item as serde_json would have in the document: its
+    /// syntax error fails the feed, placed in the feed.
+    fn check<E: de::Error>(&mut self, cut: &CutItem, bytes: &[u8]) -> Result<(), E> {
+        let mut de = serde_json::Deserializer::from_reader(bytes);
+        let e = match Box::<RawValue>::deserialize(&mut de) {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        let error = match cut.ended {
+            End::Capped if e.classify() == Category::Eof => self.over_cap("an item"),
+            _ => {
+                let (line, column) = cut.position(e.line(), e.column());
+                FeedError::Malformed(placed(&e, line, column))
+            }
+        };
+        Err(self.fail(error))
+    }
+
+    fn over_cap(&self, what: &str) -> FeedError {
+        let cap = self.hard_cap();
+        FeedError::Malformed(format!("{what} is larger than {cap} bytes (hard cap)"))
     }
 
     /// The whole document, then the `places` arrays that came before
@@ -88,7 +159,7 @@ impl Parser<'_> {
         let mut file = spool.file;
         file.rewind().map_err(|e| FeedError::Io(spool_error(e)))?;
         self.state = Rc::new(ReadState::default());
-        let intake = Intake { inner: file, state: self.state.clone(), scan: None };
+        let intake = Intake { inner: file, state: self.state.clone(), scan: None, cut: None };
         let mut de =
             serde_json::Deserializer::from_reader(BufReader::with_capacity(BUFFER_BYTES, intake));
         let mut result = Ok(());
@@ -115,15 +186,17 @@ impl Parser<'_> {
             (Err(e), None) => e,
         };
         if let Some(what) = self.state.tripped.get() {
-            let cap = self.hard_cap();
-            return Err(FeedError::Malformed(format!(
-                "{what} is larger than {cap} bytes (hard cap)"
-            )));
+            return Err(self.over_cap(what));
         }
         if e.is_io() {
             return Err(FeedError::Io(e.into()));
         }
         let mut message = e.to_string();
+        if self.state.cutting && e.line() > 0 {
+            // Columns after a cut item on its line, as in the feed.
+            let column = self.state.cuts.borrow().column(e.line(), e.column());
+            message = placed(&e, e.line() as u64, column);
+        }
         if let Some(how) = position
             && e.line() > 0
         {
@@ -131,6 +204,14 @@ impl Parser<'_> {
         }
         Err(FeedError::Malformed(message))
     }
+}
+
+/// serde_json's message for `e`, at another line and column.
+fn placed(e: &serde_json::Error, line: u64, column: u64) -> String {
+    let message = e.to_string();
+    let at = format!(" at line {} column {}", e.line(), e.column());
+    let message = message.strip_suffix(&at).unwrap_or(&message);
+    format!("{message} at line {line} column {column}")
 }
 
 // The nested format, walked by one serde visitor that knows its level.
@@ -179,7 +260,7 @@ pub(super) enum Level<'b> {
     /// Items of a place; buffered in `pending` while its `place_id` is unknown.
     Items {
         place_id: Option<i64>,
-        pending: &'b mut Vec<Box<RawValue>>,
+        pending: &'b mut Vec<Box<str>>,
     },
 }
 
@@ -233,8 +314,12 @@ impl<'de> Visitor<'de> for Walk<'_, '_, '_> {
         };
         while let Some(raw) = parser.capture("an item", || seq.next_element::<Box<RawValue>>())? {
             match place_id {
-                Some(place_id) => parser.nested_item(place_id, raw.get())?,
-                None => pending.push(raw),
+                // A placeholder: the item was cut out under serde_json.
+                _ if parser.state.cutting && raw.get().starts_with('{') => {
+                    parser.cut_item(place_id, pending)?
+                }
+                Some(place_id) => parser.nested_item(place_id, raw.get(), None)?,
+                None => pending.push(raw.get().into()),
             }
         }
         Ok(())
@@ -281,7 +366,7 @@ impl Parser<'_> {
     pub(super) fn place<'de, A: MapAccess<'de>>(&mut self, mut map: A) -> Result<(), A::Error> {
         self.ids.clear();
         let (mut place_id, mut bad_place) = (None, None);
-        let mut pending: Vec<Box<RawValue>> = Vec::new();
+        let mut pending: Vec<Box<str>> = Vec::new();
         while let Some(key) = self.key(&mut map)? {
             match key {
                 Key::PlaceId => {
@@ -292,7 +377,7 @@ impl Parser<'_> {
                             place_id = Some(id);
                             self.emit(FeedEvent::Place(id))?;
                             for raw in std::mem::take(&mut pending) {
-                                self.nested_item(id, raw.get())?;
+                                self.nested_item(id, &raw, None)?;
                             }
                         }
                         Err((_, detail)) => bad_place = Some(detail),
@@ -307,7 +392,7 @@ impl Parser<'_> {
         }
         let detail = bad_place.unwrap_or_else(|| "the place has no `place_id`".into());
         for raw in pending {
-            let reject = Reject::new(Reason::MissingPlace, &*detail, raw.get().as_bytes());
+            let reject = Reject::new(Reason::MissingPlace, &*detail, raw.as_bytes());
             self.emit(FeedEvent::Reject(reject))?;
         }
         Ok(())

@@ -357,3 +357,77 @@ fn bounded_lines_keep_a_prefix_and_measure_the_whole() {
     read_line_bounded(&mut io::BufReader::new(&b"abcdefgh"[..]), &mut buf, 3).expect("reads");
     assert_eq!(buf, b"abc");
 }
+
+/// Events (in full) and the outcome of a parse with the items cut out
+/// under serde_json or not.
+fn run_cutting(input: impl Read, cutting: bool) -> String {
+    let mut events = Vec::new();
+    let result = parse(
+        input,
+        FeedFormat::Json,
+        &RULES,
+        &mut |e| {
+            events.push(e);
+            Ok(())
+        },
+        cutting,
+    );
+    format!("{events:?}\n{result:?}")
+}
+
+/// Cutting items out under serde_json changes nothing anyone sees: not
+/// the events, not a rejection's detail, not an error's text or its line
+/// and column, on every byte deleted, inserted or cut off of feeds with
+/// items on one line and across lines, strings that hold brackets, quotes
+/// and escapes, and values nested in items; read whole and a byte at a time.
+#[test]
+fn cutting_the_items_out_changes_nothing_seen() {
+    let seeds = [
+        r#"{"brand_id": 7, "places": [{"place_id": 1, "items": [{"id": "a", "price": 1.5}, {"id": "b", "x": [1, {"y": "}]\"{["}], "s": "q\"\\\u00e9\n"}, 5, "z", [{"id": "n"}], {"id": "a"}, {}]}]}"#,
+        "{\n \"brand_id\": 7, \"places\": [\n  {\"place_id\": 1, \"items\": [\n    {\"id\": \"a\",\n     \"price\": 1}, {\"id\": \"b\"}, {\"id\":\n\"c\", \"t\": \"x]\"}  ,  {\"id\": \"e\"}\n  ]},\n  {\"items\": [{\"id\": \"d\"},\n {\"id\": \"f\", \"n\": {\"m\": [\n1]}}], \"place_id\": 2}\n ]\n}\n",
+        "{\"places\": [{\"place_id\": 3, \"items\": [{\"id\": \"p\"}]}],\n \"brand_id\": 7, \"places\": [{\"items\": [{\"id\": \"q\", \"price\": \"x\"}], \"place_id\": 4}], \"items\": [{\"id\": 1}]}",
+        "{\"brand_id\": 7, \"meta\": {\"places\": [{\"items\": [{\"id\": \"m\"}]}]}, \"places\": [{\"place_id\": 5, \"other\": [{\"items\": [{\"k\": 1}]}], \"\\u0069tems\": [{\"id\": \"u\"} ,{\"id\":\"v\"}]}]}",
+    ];
+    let inserts: &[u8] = b",}]\"\nx5{[\\: \x01";
+    // With the first line cut short, the rest is trickled a byte a read.
+    let seeds = seeds.iter().flat_map(|s| [s.to_string(), s.replacen('{', "{\n", 1)]);
+    let mut cases = 0;
+    for seed in seeds {
+        let seed = seed.as_bytes();
+        let mut feeds = vec![seed.to_vec()];
+        for i in 0..=seed.len() {
+            feeds.push(seed[..i].to_vec());
+            if i < seed.len() {
+                feeds.push([&seed[..i], &seed[i + 1..]].concat());
+            }
+            for &b in inserts {
+                feeds.push([&seed[..i], &[b][..], &seed[i..]].concat());
+            }
+        }
+        for feed in feeds {
+            let expected = run_cutting(&feed[..], false);
+            let shown = String::from_utf8_lossy(&feed);
+            assert_eq!(run_cutting(&feed[..], true), expected, "{shown}");
+            // How far the scan for `brand_id` read ahead depends on the reads.
+            let expected = run_cutting(Trickle(&feed[..]), false);
+            assert_eq!(run_cutting(Trickle(&feed[..]), true), expected, "trickled: {shown}");
+            cases += 1;
+        }
+    }
+    assert!(cases > 6000, "{cases}");
+}
+
+/// An item of newlines only is cut off at the hard cap like any other,
+/// its placeholder never longer than the bytes it stands for.
+#[test]
+fn an_item_of_newlines_fails_at_the_hard_cap() {
+    let prefix =
+        r#"{"brand_id": 7, "places": [{"place_id": 1, "items": [{"id": "a"}, {"#.as_bytes();
+    let newlines = io::repeat(b'\n').take(100 << 20);
+    let read = Rc::new(Cell::new(0));
+    let input = Counted(prefix.chain(newlines).chain(&b"}]}]}"[..]), read.clone());
+    let (events, result) = run_reader(input, FeedFormat::Auto);
+    assert_eq!(events, "P1 I1/a");
+    malformed(result, "an item is larger than");
+    assert!(read.get() < 2 << 20, "{} bytes read", read.get());
+}
