@@ -190,19 +190,24 @@ pub mod reason {
 /// The records a batch needs loaded: every command key and, for sweeps, the
 /// whole generation column of the swept places.
 pub fn touched(batch: &CommandBatch) -> (Vec<Key>, Vec<PlaceKey>) {
-    let mut keys: Vec<Key> = batch
-        .commands
-        .iter()
+    let keys = keys_of(&batch.commands);
+    let mut places: Vec<PlaceKey> = batch.sweeps.iter().map(Sweep::place).collect();
+    places.sort();
+    places.dedup();
+    (keys, places)
+}
+
+/// The keys of `commands`, sorted, each once.
+pub fn keys_of<'a>(commands: impl IntoIterator<Item = &'a Command>) -> Vec<Key> {
+    let mut keys: Vec<Key> = commands
+        .into_iter()
         .filter_map(|c| c.key.as_ref())
         .filter(|k| !k.product_id.is_empty())
         .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
         .collect();
     keys.sort();
     keys.dedup();
-    let mut places: Vec<PlaceKey> = batch.sweeps.iter().map(Sweep::place).collect();
-    places.sort();
-    places.dedup();
-    (keys, places)
+    keys
 }
 
 fn reject(cmd: &Command, reason: &str, detail: String) -> Box<Rejection> {

@@ -24,6 +24,8 @@
 //! - a key is skipped only if every command on it in the commit is vouched
 //!   for; otherwise all of them go through Redis in order.
 
+use std::borrow::Cow;
+
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -82,9 +84,10 @@ impl Skipped {
 
 /// The commands of one message split by [`Known::split`].
 #[derive(Debug, Default)]
-pub struct Split {
-    /// The commands that go through Redis, in order.
-    pub rest: CommandBatch,
+pub struct Split<'b> {
+    /// The commands that go through Redis, in order: the message itself
+    /// when none is skipped (no copy of it is made).
+    pub rest: Cow<'b, CommandBatch>,
     pub skipped: Vec<Skipped>,
 }
 
@@ -145,12 +148,10 @@ impl Known {
 
     /// Splits the commands of `batches` (applied in this order, as one
     /// commit) into those that must go through Redis and those vouched for.
-    pub fn split(&self, batches: &[&CommandBatch]) -> Vec<Split> {
+    pub fn split<'b>(&self, batches: &[&'b CommandBatch]) -> Vec<Split<'b>> {
+        let whole = |b: &'b CommandBatch| Split { rest: Cow::Borrowed(b), skipped: Vec::new() };
         if self.entries.is_empty() {
-            return batches
-                .iter()
-                .map(|b| Split { rest: (*b).clone(), skipped: Vec::new() })
-                .collect();
+            return batches.iter().map(|b| whole(b)).collect();
         }
         // A key is skipped only when every command on it is vouched for.
         let mut skippable: FastMap<u128, bool> = FastMap::default();
@@ -167,25 +168,29 @@ impl Known {
         batches
             .iter()
             .map(|b| {
-                let rest = CommandBatch {
+                let n = b.commands.len();
+                let these: Vec<Option<u128>> = keys.by_ref().take(n).collect();
+                let skips = |k: &Option<u128>| k.is_some_and(|k| skippable.get(&k) == Some(&true));
+                if !these.iter().any(skips) {
+                    return whole(b);
+                }
+                let mut rest = CommandBatch {
                     partition: b.partition,
                     commands: Vec::new(),
                     sweeps: b.sweeps.clone(),
                     origin: b.origin.clone(),
                 };
-                let mut split = Split { rest, skipped: Vec::new() };
-                for cmd in &b.commands {
-                    match (keys.next().flatten(), cmd.key.as_ref()) {
-                        (Some(k), Some(key)) if skippable.get(&k) == Some(&true) => {
-                            split.skipped.push(Skipped {
-                                key: (key.brand_id, key.place_id, key.product_id.clone()),
-                                generation: cmd.generation,
-                            });
-                        }
-                        _ => split.rest.commands.push(cmd.clone()),
+                let mut skipped = Vec::new();
+                for (cmd, k) in b.commands.iter().zip(&these) {
+                    match cmd.key.as_ref() {
+                        Some(key) if skips(k) => skipped.push(Skipped {
+                            key: (key.brand_id, key.place_id, key.product_id.clone()),
+                            generation: cmd.generation,
+                        }),
+                        _ => rest.commands.push(cmd.clone()),
                     }
                 }
-                split
+                Split { rest: Cow::Owned(rest), skipped }
             })
             .collect()
     }
@@ -311,7 +316,16 @@ mod tests {
         let delta = batch(vec![patch("a", b"x", 0)]);
         assert_eq!(known.split(&[&delta])[0].skipped[0].touch(), None, "a delta carries nothing");
         let other = batch(vec![patch("a", b"y", 6)]);
-        assert_eq!(known.split(&[&other])[0].skipped.len(), 0, "another patch is loaded");
+        let split = &known.split(&[&other])[0];
+        assert_eq!(split.skipped.len(), 0, "another patch is loaded");
+        assert!(
+            matches!(split.rest, Cow::Borrowed(_)),
+            "a message none is skipped of is not copied"
+        );
+        let both = batch(vec![patch("a", b"x", 6), patch("b", b"x", 6)]);
+        let split = &known.split(&[&both])[0];
+        assert_eq!((split.skipped.len(), split.rest.commands.len()), (1, 1));
+        assert_eq!(split.rest.commands[0].key.as_ref().map(|k| k.product_id.as_str()), Some("b"));
     }
 
     #[test]
@@ -387,7 +401,8 @@ mod tests {
         assert!(slots[&key("a")].record_dirty);
         known.forget_written(&slots);
         known.committed(&slots, [&a], &[], &limits());
-        let split = &known.split(&[&batch(vec![price("a", 5, 2)])])[0];
+        let next = batch(vec![price("a", 5, 2)]);
+        let split = &known.split(&[&next])[0];
         assert_eq!(split.skipped.len(), 1, "the next import's same command is vouched for");
         assert!(known.split(&[&batch(vec![price("a", 6, 2)])])[0].skipped.is_empty());
 

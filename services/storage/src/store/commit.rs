@@ -14,7 +14,7 @@ use shelfsync_proto::{CommandBatch, SweepOutcome};
 
 use super::{Column, RedisConn, hmget_place, stored_bytes};
 use super::{Commit, Fence, Keys, Loaded, Position, Store, StoreError, StreamBinding, Writes};
-use crate::apply::{Slots, Touch, touched, touched_set};
+use crate::apply::{Key, Slots, Touch, touched, touched_set};
 
 /// How long a sweep's outcome is kept for its import's report, and a
 /// touched set whose sweep did not come (refreshed by every append).
@@ -328,8 +328,16 @@ impl Store {
         partition: Partition,
         batch: &CommandBatch,
     ) -> Result<Loaded, StoreError> {
+        self.load_keys(partition, touched(batch).0).await
+    }
+
+    /// [`Store::load`] of the records `touched_keys` (sorted, each once).
+    pub async fn load_keys(
+        &self,
+        partition: Partition,
+        touched_keys: Vec<Key>,
+    ) -> Result<Loaded, StoreError> {
         let keys = self.keys(partition);
-        let (touched_keys, _) = touched(batch);
         let mut by_place: BTreeMap<PlaceKey, Vec<String>> = BTreeMap::new();
         for (b, p, id) in touched_keys {
             by_place.entry(PlaceKey::new(b, p)).or_default().push(id);

@@ -17,8 +17,8 @@ use tracing::{Instrument, debug, error, warn};
 use super::{HandleError, Handled, Worker};
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
-use crate::outbox::{Outbox, TraceParts};
 use crate::outbox::Relay;
+use crate::outbox::{Outbox, TraceParts};
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// A non-transient failure is retried this many deliveries, then the batch
@@ -209,11 +209,8 @@ impl Worker {
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
         // Commands this owner can vouch for are neither loaded nor applied.
         let splits = self.known().split(&parts.iter().map(|(_, b)| b).collect::<Vec<_>>());
-        let to_load = CommandBatch {
-            commands: splits.iter().flat_map(|s| s.rest.commands.iter().cloned()).collect(),
-            ..Default::default()
-        };
-        let mut loaded = self.store.load(self.partition, &to_load).await?;
+        let to_load = crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands));
+        let mut loaded = self.store.load_keys(self.partition, to_load).await?;
         let todo: Vec<(&(u64, CommandBatch), &crate::known::Split)> =
             parts.iter().zip(&splits).filter(|((seq, _), _)| *seq > loaded.at.applied).collect();
         if todo.is_empty() {
