@@ -5,10 +5,12 @@
 use super::*;
 
 /// What the parser thread sends: commands are built there, off the runtime.
+/// A rejection is boxed: it is rare and several times a command's size,
+/// and every event is moved twice (into its chunk, out of it).
 pub(super) enum Event {
     Place(i64),
     Command(Command),
-    Reject(i64, Rejection),
+    Reject(i64, Box<Rejection>),
 }
 
 /// Counts raw feed bytes for progress and the report.
@@ -69,7 +71,7 @@ impl Run<'_> {
                     FeedEvent::Place(place) => Event::Place(place),
                     FeedEvent::Item(item) => Event::Command(to_command(item, &ctx)),
                     FeedEvent::Reject(r) => {
-                        Event::Reject(r.place_id.unwrap_or(0), to_rejection(r, &ctx, now_us()))
+                        Event::Reject(r.place_id.unwrap_or(0), Box::new(to_rejection(r, &ctx, now_us())))
                     }
                 });
                 if chunk.len() >= CHUNK {
@@ -139,7 +141,7 @@ impl Run<'_> {
                         self.publish_batch(partition, batch).await?;
                     }
                 }
-                Event::Reject(place, rejection) => self.reject(place, rejection).await?,
+                Event::Reject(place, rejection) => self.reject(place, *rejection).await?,
             }
         }
         Ok(())
