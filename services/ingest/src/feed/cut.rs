@@ -144,6 +144,19 @@ impl Cuts {
     fn offset(&self) -> u64 {
         self.base + self.bytes.len() as u64
     }
+
+    /// Queues the item cut up to here.
+    fn queue(&mut self, open: Open, tail: u64, ended: End) {
+        self.queue.push_back(CutItem {
+            start: open.start,
+            end: self.offset(),
+            line: open.line,
+            column: open.column,
+            newlines: open.newlines,
+            tail,
+            ended,
+        });
+    }
 }
 
 /// What a container outside the items is, as far as the walk cares.
@@ -305,7 +318,7 @@ impl Cut {
         cuts: &mut Cuts,
     ) -> (usize, bool) {
         let Some(mut open) = self.item.take() else { return (from, true) };
-        let (mut i, mut newlines, mut closed) = (from, 0, false);
+        let (mut i, mut closed, before) = (from, false, open.newlines);
         while i < buf.len() {
             if open.in_string {
                 if open.escape != Escape::None {
@@ -342,7 +355,6 @@ impl Cut {
                     }
                 }
                 b'\n' => {
-                    newlines += 1;
                     open.newlines += 1;
                     self.line += 1;
                     self.line_start = self.seen + i as u64 + 1;
@@ -355,6 +367,7 @@ impl Cut {
         cuts.bytes.extend_from_slice(&buf[from..end]);
         // The `{` stayed where the item starts; this part of it brings its
         // newlines, and its end a `}`: never more bytes than it covers.
+        let newlines = (open.newlines - before) as usize;
         buf[*out..*out + newlines].fill(b'\n');
         *out += newlines;
         let capped = !closed && cuts.offset() - open.start > self.hard_cap;
@@ -422,19 +435,5 @@ impl Cut {
             _ => Key::Other,
         };
         (self.last_key, self.at) = (Some(key), TopAt::Colon);
-    }
-}
-
-impl Cuts {
-    fn queue(&mut self, open: Open, tail: u64, ended: End) {
-        self.queue.push_back(CutItem {
-            start: open.start,
-            end: self.offset(),
-            line: open.line,
-            column: open.column,
-            newlines: open.newlines,
-            tail,
-            ended,
-        });
     }
 }

@@ -70,9 +70,10 @@ impl Run<'_> {
                 chunk.push(match event {
                     FeedEvent::Place(place) => Event::Place(place),
                     FeedEvent::Item(item) => Event::Command(to_command(item, &ctx)),
-                    FeedEvent::Reject(r) => {
-                        Event::Reject(r.place_id.unwrap_or(0), Box::new(to_rejection(r, &ctx, now_us())))
-                    }
+                    FeedEvent::Reject(r) => Event::Reject(
+                        r.place_id.unwrap_or(0),
+                        Box::new(to_rejection(r, &ctx, now_us())),
+                    ),
                 });
                 if chunk.len() >= CHUNK {
                     tx.blocking_send(std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK)))
