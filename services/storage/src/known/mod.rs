@@ -27,7 +27,7 @@
 use std::borrow::Cow;
 
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_128};
 
 use crate::apply::{FastMap, Key, Limits, Slots, Touch, changes_nothing};
 
@@ -102,11 +102,24 @@ pub struct Known {
     pub live: LivePlaces,
 }
 
+/// Inputs up to this long are hashed in one pass from the stack; longer
+/// ones are streamed. XXH3 gives the same hash either way.
+const ONE_PASS: usize = 1024;
+
+/// The brand, the place (fixed width) and the product id, end to end.
 pub(crate) fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
+    let id = product_id.as_bytes();
+    if 16 + id.len() <= ONE_PASS {
+        let mut buf = [0u8; ONE_PASS];
+        buf[..8].copy_from_slice(&brand_id.to_le_bytes());
+        buf[8..16].copy_from_slice(&place_id.to_le_bytes());
+        buf[16..16 + id.len()].copy_from_slice(id);
+        return xxh3_128(&buf[..16 + id.len()]);
+    }
     let mut h = Xxh3::new();
     h.update(&brand_id.to_le_bytes());
     h.update(&place_id.to_le_bytes());
-    h.update(product_id.as_bytes());
+    h.update(id);
     h.digest128()
 }
 
@@ -121,8 +134,22 @@ pub fn command_hash(cmd: &Command) -> u64 {
     if cmd.kind != CommandKind::Patch as i32 || cmd.expected_updated_at.is_some() {
         return 0;
     }
+    // Each part after its length: data, state, then the two lists of fields.
+    let (data, state) = (&cmd.data[..], &cmd.state[..]);
+    let plain = cmd.clear_data_fields.is_empty() && cmd.clear_state_fields.is_empty();
+    if plain && 32 + data.len() + state.len() <= ONE_PASS {
+        let mut buf = [0u8; ONE_PASS];
+        let mut at = 0;
+        for part in [data, state] {
+            buf[at..at + 8].copy_from_slice(&(part.len() as u64).to_le_bytes());
+            buf[at + 8..at + 8 + part.len()].copy_from_slice(part);
+            at += 8 + part.len();
+        }
+        // The two empty lists: their lengths, zero (the buffer's bytes).
+        return xxh3_64(&buf[..at + 16]).max(1);
+    }
     let mut h = Xxh3::new();
-    for part in [&cmd.data[..], &cmd.state[..]] {
+    for part in [data, state] {
         h.update(&(part.len() as u64).to_le_bytes());
         h.update(part);
     }
@@ -154,8 +181,10 @@ impl Known {
             return batches.iter().map(|b| whole(b)).collect();
         }
         // A key is skipped only when every command on it is vouched for.
+        let n: usize = batches.iter().map(|b| b.commands.len()).sum();
         let mut skippable: FastMap<u128, bool> = FastMap::default();
-        let mut keys = Vec::new();
+        skippable.reserve(n);
+        let mut keys = Vec::with_capacity(n);
         for cmd in batches.iter().flat_map(|b| &b.commands) {
             let k = command_key(cmd);
             keys.push(k);
@@ -180,7 +209,7 @@ impl Known {
                     sweeps: b.sweeps.clone(),
                     origin: b.origin.clone(),
                 };
-                let mut skipped = Vec::new();
+                let mut skipped = Vec::with_capacity(n);
                 for (cmd, k) in b.commands.iter().zip(&these) {
                     match cmd.key.as_ref() {
                         Some(key) if skips(k) => skipped.push(Skipped {
@@ -297,6 +326,41 @@ mod tests {
 
     fn batch(cmds: Vec<Command>) -> CommandBatch {
         CommandBatch { commands: cmds, ..Default::default() }
+    }
+
+    /// The one-pass hashes are the streamed ones, on each side of the
+    /// stack buffer's size, so no key nor command hashes two ways.
+    #[test]
+    fn hashes_in_one_pass_are_the_streamed_ones() {
+        let streamed_key = |id: &str| {
+            let mut h = Xxh3::new();
+            for part in [&7i64.to_le_bytes()[..], &(-3i64).to_le_bytes(), id.as_bytes()] {
+                h.update(part);
+            }
+            h.digest128()
+        };
+        let streamed_command = |cmd: &Command| {
+            let mut h = Xxh3::new();
+            for part in [&cmd.data[..], &cmd.state[..]] {
+                h.update(&(part.len() as u64).to_le_bytes());
+                h.update(part);
+            }
+            for fields in [&cmd.clear_data_fields, &cmd.clear_state_fields] {
+                h.update(&(fields.len() as u64).to_le_bytes());
+                fields.iter().for_each(|f| h.update(&f.to_le_bytes()));
+            }
+            h.digest().max(1)
+        };
+        for len in [0, 1, 15, 16, 17, 240, 1000, 1007, 1008, 1009, 3000] {
+            let id = "x".repeat(len);
+            assert_eq!(key_hash(7, -3, &id), streamed_key(&id), "id of {len} bytes");
+            let mut cmd = patch("a", &vec![5u8; len], 0);
+            cmd.state = vec![9u8; len / 3];
+            assert_eq!(command_hash(&cmd), streamed_command(&cmd), "data of {len} bytes");
+            cmd.clear_state_fields = vec![2];
+            assert_eq!(command_hash(&cmd), streamed_command(&cmd), "and a field cleared");
+        }
+        assert_ne!(key_hash(7, 1, "ab"), key_hash(7, 1, "ba"));
     }
 
     #[test]
