@@ -137,9 +137,13 @@ async fn partition_loop(ctx: Arc<Ctx>, partition: Partition) -> anyhow::Result<(
             }
         };
         seq += 1;
-        let result = match ctx.kind {
-            RefKind::Floor => floor_batch(&ctx, partition, &msg.payload).await,
-            RefKind::Naive => naive_batch(&ctx, partition, seq, &msg.payload, &mut publisher).await,
+        // The same wire as storage's: ingest sends the batches compressed.
+        let result = match shelfsync_bus::encoding::decode(msg.headers.as_ref(), &msg.payload) {
+            Err(e) => Err(anyhow::Error::from(e)),
+            Ok(plain) => match ctx.kind {
+                RefKind::Floor => floor_batch(&ctx, partition, &plain).await,
+                RefKind::Naive => naive_batch(&ctx, partition, seq, &plain, &mut publisher).await,
+            },
         };
         match result {
             Ok(()) => {

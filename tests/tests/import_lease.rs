@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use prost::Message;
-use shelfsync_ingest::{App, ImportError, ImportStatus, ImportConfig, Importer, Source};
+use shelfsync_ingest::{App, ImportConfig, ImportError, ImportStatus, Importer, Source};
 use shelfsync_proto::CommandBatch;
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::TestEnv;
@@ -137,7 +137,8 @@ impl Lab {
         let mut out = Vec::new();
         for seq in 1..=last {
             let m = stream.get_raw_message(seq).await.expect("a message");
-            let b = CommandBatch::decode(m.payload).expect("a CommandBatch");
+            let plain = shelfsync_bus::encoding::decode(Some(&m.headers), &m.payload).expect("lz4");
+            let b = CommandBatch::decode(plain).expect("a CommandBatch");
             let from_command = b.commands.first().and_then(|c| b.origin_of(c));
             let id = match (from_command, b.sweeps.first()) {
                 (Some(origin), _) => origin.import_id.clone(),

@@ -24,17 +24,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
+use async_nats::HeaderMap;
 use bytes::Bytes;
 use prost::Message;
 use shelfsync_bus::{
-    CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, partition_of,
+    CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, encoding, partition_of,
 };
 use shelfsync_proto::{
     Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
     SweepsRequest, msg_type, now_us,
 };
 use shelfsync_settings::{
-    ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings, Settings, Topology,
+    Compression, ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings,
+    Settings, Topology,
 };
 use shelfsync_telemetry::{chain, names};
 use tokio::sync::mpsc;
@@ -301,6 +303,7 @@ impl Importer {
                 self.settings.ingest.batch_size,
                 max_payload.saturating_sub(PAYLOAD_HEADROOM),
             ),
+            compression: self.settings.ingest.compression,
             batch_seq: HashMap::new(),
             rejects: (0, Vec::new()),
             reject_seq: 0,

@@ -7,11 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prost::Message;
-use shelfsync_bus::{Subjects, partition_of};
-use shelfsync_ingest::{App, ImportError, ImportReport, ImportStatus, ImportConfig, Importer, Source};
+use shelfsync_bus::{Subjects, encoding, partition_of};
+use shelfsync_ingest::{
+    App, ImportConfig, ImportError, ImportReport, ImportStatus, Importer, Source,
+};
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, RejectionBatch};
 use shelfsync_service::Service as _;
-use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
+use shelfsync_settings::{Compression, ImportKind, PartnerSettings, Settings};
 use shelfsync_testkit::{TestEnv, eventually};
 
 type Result<T = ()> = anyhow::Result<T>;
@@ -77,14 +79,30 @@ impl Harness {
         importer.import(partner, Source::File(path), None).await
     }
 
-    /// Every message of a stream, in stream order.
+    /// Every message of a stream, in stream order, its payload decoded as
+    /// its `Shelfsync-Encoding` header says.
     async fn stream(&self, name: String) -> Result<Vec<Stored>> {
+        Ok(self
+            .raw_stream(name)
+            .await?
+            .into_iter()
+            .map(|(s, id, _, plain)| (s, id, plain))
+            .collect())
+    }
+
+    /// Every message of a stream: subject, id, encoding and plain payload.
+    async fn raw_stream(
+        &self,
+        name: String,
+    ) -> Result<Vec<(String, String, Option<String>, bytes::Bytes)>> {
         let mut stream = self.js.get_stream(&name).await?;
         let mut out = Vec::new();
         for seq in 1..=stream.info().await?.state.last_sequence {
             let m = stream.get_raw_message(seq).await?;
             let id = m.headers.get("Nats-Msg-Id").map(|v| v.to_string()).unwrap_or_default();
-            out.push((m.subject.to_string(), id, m.payload));
+            let encoding = m.headers.get(encoding::ENCODING_HEADER).map(|v| v.to_string());
+            let plain = encoding::decode(Some(&m.headers), &m.payload)?;
+            out.push((m.subject.to_string(), id, encoding, plain));
         }
         Ok(out)
     }
@@ -394,6 +412,41 @@ async fn batches_hold_at_most_batch_size_commands() -> Result {
     let sizes: Vec<usize> = h.cmd_batches().await?.iter().map(|b| b.2.commands.len()).collect();
     assert_eq!(sizes, [1000, 1000, 500, 0], "three batches, then the sweep");
     Ok(())
+}
+
+#[tokio::test]
+async fn command_batches_travel_compressed_unless_compression_is_none() -> Result {
+    let mut h = harness(vec![full("flowers")]).await?;
+    let items: Vec<String> = (0..300)
+        .map(|i| format!(r#"{{"id":"sku-{i}","title":"Red roses, {i} stems","price":{i}}}"#))
+        .collect();
+    let feed =
+        format!(r#"{{"brand_id":7,"places":[{{"place_id":9,"items":[{}]}}]}}"#, items.join(","));
+    let r = h.import("flowers", &feed).await?;
+    let stored = h.raw_stream(h.subjects.cmd_stream()).await?;
+    let lz4 = Some(encoding::LZ4.to_string());
+    assert!(stored.iter().all(|m| m.2 == lz4), "every CMD message says lz4: {stored:?}");
+    assert!(r.bytes_out * 2 < stored.iter().map(|m| m.3.len() as u64).sum::<u64>(), "{r:?}");
+    let compressed = commands_of(&stored)?;
+    assert_eq!(compressed.len(), 300);
+
+    h.settings.ingest.compression = Compression::None;
+    h.import("flowers", &feed).await?;
+    let stored = h.raw_stream(h.subjects.cmd_stream()).await?;
+    let plain: Vec<_> = stored.into_iter().skip(2).collect();
+    assert!(plain.iter().all(|m| m.2.is_none()), "none: plain protobuf, no header");
+    let plain = commands_of(&plain)?;
+    let data = |cs: &[Command]| cs.iter().map(|c| c.data.clone()).collect::<Vec<_>>();
+    assert_eq!(data(&plain), data(&compressed), "the same commands either way");
+    Ok(())
+}
+
+fn commands_of(stored: &[(String, String, Option<String>, bytes::Bytes)]) -> Result<Vec<Command>> {
+    let mut out = Vec::new();
+    for m in stored {
+        out.extend(CommandBatch::decode(m.3.clone())?.commands);
+    }
+    Ok(out)
 }
 
 // --- the push endpoint's credentials and limits ------------------------------

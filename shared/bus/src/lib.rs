@@ -6,13 +6,16 @@
 //! - [`connect`] and [`provision`]: connection and idempotent stream set-up;
 //! - [`Publisher`]: deduplicated publishing with a bounded number of
 //!   in-flight acks, trace context injected into the headers;
-//! - [`CommandBatcher`]: batching by count (≤ 1000) and bytes (< max payload).
+//! - [`CommandBatcher`]: batching by count (≤ 1000) and bytes (< max payload);
+//! - [`encoding`]: payloads sent compressed (`Shelfsync-Encoding: lz4`) and
+//!   read either way.
 //!
 //! It knows the wire types but no business rule, and never touches Redis.
 #![forbid(unsafe_code)]
 
 mod batch;
 pub mod digest;
+pub mod encoding;
 mod publish;
 mod subjects;
 

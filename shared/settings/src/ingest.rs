@@ -16,6 +16,9 @@ pub struct IngestSettings {
     pub max_item_bytes: usize,
     /// Commands per CommandBatch (at most 1000).
     pub batch_size: usize,
+    /// How command batches travel: `lz4` (compressed, said in the
+    /// `Shelfsync-Encoding` header) or `none`. Storage reads both.
+    pub compression: Compression,
     /// Largest request body the push endpoint accepts, for partners that
     /// set no `max_push_bytes` of their own (default 1 GiB). A larger
     /// `Content-Length` is refused (413) before anything is read; a body
@@ -33,12 +36,35 @@ pub struct IngestSettings {
     pub import_lease_ttl: Duration,
 }
 
+/// How ingest encodes the command batches it publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase", try_from = "String")]
+pub enum Compression {
+    /// Plain protobuf.
+    None,
+    /// An LZ4 block of the protobuf bytes (≈4× smaller on catalogue data).
+    Lz4,
+}
+
+impl TryFrom<String> for Compression {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "none" => Ok(Self::None),
+            "lz4" => Ok(Self::Lz4),
+            _ => Err(format!("ingest.compression: {s:?} is not one of \"lz4\", \"none\"")),
+        }
+    }
+}
+
 impl Default for IngestSettings {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:8080".into(),
             max_item_bytes: 64 * 1024,
             batch_size: 1000,
+            compression: Compression::Lz4,
             max_push_bytes: 1024 * 1024 * 1024,
             sweep_report_wait: Duration::from_secs(60),
             import_lease_ttl: Duration::from_secs(30),

@@ -27,7 +27,7 @@ mod validator;
 use serde::{Deserialize, Serialize};
 
 pub use aggregator::{AggregatorSettings, PlaceRegion};
-pub use ingest::IngestSettings;
+pub use ingest::{Compression, IngestSettings};
 pub use nats::NatsSettings;
 pub use partners::{FeedFormat, ImportKind, PartnerSettings};
 pub use push_tokens::{

@@ -34,6 +34,8 @@ pub(super) struct Run<'a> {
     pub(super) partitions: u32,
     pub(super) publisher: Publisher,
     pub(super) batcher: CommandBatcher,
+    /// How command batches are encoded on the wire.
+    pub(super) compression: Compression,
     /// Batches published per partition, for deterministic message ids.
     pub(super) batch_seq: HashMap<Partition, u64>,
     /// Rejections waiting, all of one place.
@@ -180,7 +182,15 @@ impl Run<'_> {
         msg_id: String,
         batch: CommandBatch,
     ) -> Result<(), ImportError> {
-        let payload = Bytes::from(batch.encode_to_vec());
+        let raw = batch.encode_to_vec();
+        let (payload, headers) = match self.compression {
+            Compression::None => (Bytes::from(raw), None),
+            Compression::Lz4 => {
+                let mut headers = HeaderMap::new();
+                headers.insert(encoding::ENCODING_HEADER, encoding::LZ4);
+                (Bytes::from(encoding::compress(&raw)), Some(headers))
+            }
+        };
         self.report.bytes_out += payload.len() as u64;
         let subject = self.subjects.cmd(partition);
         let span = shelfsync_telemetry::send_span!(
@@ -192,7 +202,7 @@ impl Run<'_> {
             shelfsync.sweep_count = batch.sweeps.len(),
         );
         let kind = msg_type::COMMAND_BATCH;
-        self.publisher.publish(subject, msg_id, kind, None, payload).instrument(span).await?;
+        self.publisher.publish(subject, msg_id, kind, headers, payload).instrument(span).await?;
         Ok(())
     }
 

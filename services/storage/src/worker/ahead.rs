@@ -58,7 +58,10 @@ impl Worker {
                     break;
                 }
             };
-            let Ok(batch) = CommandBatch::decode(m.payload.as_ref()) else { break };
+            let Ok(plain) = shelfsync_bus::encoding::decode(Some(&m.headers), &m.payload) else {
+                break;
+            };
+            let Ok(batch) = CommandBatch::decode(plain) else { break };
             if !batch.sweeps.is_empty() || total + size(&batch) > AHEAD_COMMANDS {
                 break;
             }

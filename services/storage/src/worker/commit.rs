@@ -112,7 +112,13 @@ impl Worker {
         shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let trace = outbox_trace(msg);
-        let batch = match shelfsync_proto::CommandBatch::decode(msg.payload.as_ref()) {
+        // What the message says in plain protobuf (it may travel compressed).
+        let plain = shelfsync_bus::encoding::decode(msg.headers.as_ref(), &msg.payload);
+        let batch = match plain
+            .clone()
+            .map_err(|e| e.to_string())
+            .and_then(|p| shelfsync_proto::CommandBatch::decode(p).map_err(|e| e.to_string()))
+        {
             Ok(b) => b,
             Err(e) => {
                 let detail = format!("cannot decode CommandBatch: {e}");
@@ -170,8 +176,9 @@ impl Worker {
             Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e),
             Err(e) => {
                 let detail = format!("failed {delivered} times: {e}");
-                self.dead_letter(seq, reason::FAILED, detail, &msg.payload, &trace, relay, shutdown)
-                    .await
+                // Decoded above: kept as plain protobuf, readable as is.
+                let raw = plain.as_ref().unwrap_or(&msg.payload);
+                self.dead_letter(seq, reason::FAILED, detail, raw, &trace, relay, shutdown).await
             }
         }
     }
