@@ -407,3 +407,43 @@ async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flo
     let neg = h.get(BRAND, 1, "negative").await.expect("get").expect("stored");
     assert_eq!(decode_product(&neg.data).stock, Some(-4));
 }
+
+#[tokio::test]
+async fn compressed_batches_are_read_and_a_bad_encoding_is_dead_lettered_once() {
+    use shelfsync_bus::encoding::{ENCODING_HEADER, LZ4, compress};
+    let Stack { h, storage, env: _env, .. } = Stack::start().await;
+    let p = h.partition(BRAND, 1);
+    let good = |id: &str, price: i64| patch(BRAND, 1, id, &product("Roses", price, 1), 0);
+    let batch =
+        |commands: Vec<Command>| CommandBatch { partition: p.0, commands, ..Default::default() };
+    let send = |payload: Vec<u8>, encoding: &'static str| {
+        let msg = PublishMessage::build()
+            .payload(payload.into())
+            .header(TYPE_HEADER, msg_type::COMMAND_BATCH)
+            .header(ENCODING_HEADER, encoding);
+        let (js, subject) = (h.js.clone(), h.subjects.cmd(p));
+        async move { js.send_publish(subject, msg).await?.await.map(drop) }
+    };
+    send(compress(&batch(vec![good("packed", 3)]).encode_to_vec()), LZ4).await.expect("sent");
+    // Not an LZ4 block; a length prefix of 4 GiB; an encoding nobody knows.
+    send(b"\xff\xff\xff\x00 not lz4 at all".to_vec(), LZ4).await.expect("sent");
+    send(vec![255, 255, 255, 255, 1, 2, 3], LZ4).await.expect("sent");
+    send(batch(vec![good("zstd", 1)]).encode_to_vec(), "zstd").await.expect("sent");
+    // Plain protobuf still goes through after them.
+    h.send_raw(p, batch(vec![good("plain", 4)]).encode_to_vec()).await.expect("sent");
+    h.wait_settled().await;
+
+    for (id, price) in [("packed", 3), ("plain", 4)] {
+        let got = stored(&h, 1, id).await.unwrap_or_else(|| panic!("{id} stored"));
+        assert_eq!(got.price, Some(price), "{id}");
+    }
+    assert!(stored(&h, 1, "zstd").await.is_none(), "an unknown encoding is not guessed at");
+    let rejections = h.rejections().await.expect("rejections");
+    let details: Vec<&str> = rejections.iter().map(|r| r.detail.as_str()).collect();
+    assert!(rejections.iter().all(|r| r.reason == "undecodable"), "{rejections:?}");
+    assert_eq!(details.len(), 3, "each bad message once: {details:?}");
+    assert!(details.iter().any(|d| d.contains("corrupt lz4")), "{details:?}");
+    assert!(details.iter().any(|d| d.contains("more than the")), "{details:?}");
+    assert!(details.iter().any(|d| d.contains("\"zstd\"")), "{details:?}");
+    assert_eq!(Stats::get(&storage.stats.dead_lettered), 3);
+}
