@@ -12,6 +12,9 @@ use crate::cli::ChildRole;
 use crate::measure;
 
 pub async fn run(role: ChildRole) -> anyhow::Result<()> {
+    // As `shelfsync_service::start` does in every service (and `shelfsync import`); only in the
+    // children, so that the servers the harness starts keep the machine's setting.
+    shelfsync_service::without_huge_pages();
     let settings = Settings::load(None)?;
     match role {
         ChildRole::Storage => storage(settings).await,

@@ -10,6 +10,8 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // As every service does: `shelfsync import` is ingest in a process of its own.
+    shelfsync_service::without_huge_pages();
     let cli = shelfsync_cli::Cli::parse();
     match shelfsync_cli::run(cli).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -105,7 +105,6 @@ impl App {
     /// Connects to NATS and Redis, makes sure the streams exist and binds
     /// the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
-        without_huge_pages();
         let config = Config::from(&settings);
         shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&config.nats, "shelfsync-storage", true).await?;
@@ -557,16 +556,3 @@ async fn redrive_owned(
 }
 
 pub use shelfsync_service::shutdown_signal;
-
-/// Turns transparent huge pages off for this process. Storage's batches
-/// allocate and free large buffers all the time; with THP, the allocator's
-/// fresh pages fault in 2 MiB at a time, each zeroed whole: perf showed a
-/// third of storage's CPU there on an initial import, and turning it off
-/// cut storage's CPU per record by about a quarter (docs/PERFORMANCE.md).
-/// Redis gives the same advice for itself.
-fn without_huge_pages() {
-    #[cfg(target_os = "linux")]
-    if let Err(e) = rustix::thread::disable_transparent_huge_pages(true) {
-        tracing::info!(error = %e, "cannot turn transparent huge pages off; running with them");
-    }
-}

@@ -60,6 +60,7 @@ pub fn start(
     service: &str,
     args: &ConfigArgs,
 ) -> anyhow::Result<(Settings, shelfsync_telemetry::Guard)> {
+    crate::without_huge_pages();
     let settings = args.load()?;
     let telemetry = shelfsync_telemetry::init(service, &settings.telemetry)?;
     Ok((settings, telemetry))

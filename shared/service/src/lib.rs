@@ -8,7 +8,9 @@
 //! - [`Drain`]: the one stop signal a service hands to its tasks (HTTP
 //!   server, pollers, responders) instead of an ad-hoc channel;
 //! - [`Probes`]: `/healthz`, `/readyz` and Prometheus `/metrics`;
-//! - [`serve`]: an axum router on a listener until the drain starts.
+//! - [`serve`]: an axum router on a listener until the drain starts;
+//! - [`without_huge_pages`]: transparent huge pages off for the process
+//!   ([`start`] does it).
 //!
 //! A service's `main` is then three lines (see `services/picks`), and its
 //! [`Service::run_until`] starts its work with a [`Drain`], starts the
@@ -17,12 +19,14 @@
 
 mod args;
 mod drain;
+mod pages;
 mod probes;
 mod serve;
 mod signal;
 
 pub use args::{ConfigArgs, main, start};
 pub use drain::Drain;
+pub use pages::without_huge_pages;
 pub use probes::{Probes, Readiness};
 pub use serve::{bind, serve, serve_with_peer_addr};
 pub use signal::shutdown_signal;
