@@ -8,8 +8,10 @@
 //! to what changed. The owner is the only writer of its partition's keys, so
 //! once it has scanned a place it can keep, per live record, its stored
 //! generation, and keep that true as it writes:
-//! - a place is known only from a complete census scan (every record of the
-//!   place, read while nothing else writes it);
+//! - a place is known only from a complete census: a scan (every record of
+//!   the place, read while nothing else writes it), or a commit's load that
+//!   found no records hash for it (a place with no record, such as one an
+//!   initial import creates, is known from its first commit on);
 //! - every commit that writes a record of a known place updates it: a live
 //!   record is noted with its generation, an absent or deleted one dropped
 //!   (neither is live nor a candidate, so neither counts);

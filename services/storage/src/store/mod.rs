@@ -106,6 +106,9 @@ pub struct Loaded {
     /// Where the partition stands (applied sequence 0: none).
     pub at: Position,
     pub slots: Slots,
+    /// The places loaded whose records hash did not exist: no record of
+    /// theirs is stored (`Store::load_keys` only).
+    pub empty_places: Vec<PlaceKey>,
 }
 
 /// Where a partition stands: the last command message applied whole, and

@@ -261,6 +261,12 @@ impl Worker {
         let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
         let writes =
             Writes { slots: Some(&loaded.slots), touched: &touched, outbox: &outbox, sweeps: &[] };
+        // A place that had no record at the load has none but what this
+        // commit writes: its census is complete without a scan. Noted before
+        // the commit, which adds what it wrote (or, failed, forgets it all).
+        for place in &loaded.empty_places {
+            self.known().live.scanned(*place, std::iter::empty());
+        }
         match self.commit(&fence, &Position::at(last), &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
