@@ -7,7 +7,6 @@
 //! `late-brand` is the nested format with `brand_id` after `places`, which the parser
 //! spools to a temporary file before parsing it.
 use std::io::Write;
-use std::sync::Arc;
 use std::time::Instant;
 
 use shelfsync_ingest::feed::{FeedEvent, parse_feed};

@@ -12,6 +12,9 @@ use shelfsync_settings::PlaceRegion;
 
 use super::*;
 
+/// A card event as the tests compare it: min price, offers, cheapest (brand, place).
+type CardEvent = (Option<i64>, u32, Option<(i64, i64)>);
+
 const NORTH: &str = "north";
 
 fn directory() -> Directory {
@@ -189,7 +192,7 @@ impl Model {
             .collect()
     }
 
-    fn card_events(&self) -> Vec<(Option<i64>, u32, Option<(i64, i64)>)> {
+    fn card_events(&self) -> Vec<CardEvent> {
         self.events
             .iter()
             .filter_map(|e| match e {
@@ -358,7 +361,11 @@ fn message_ids_follow_version_and_content() {
     let id = retracted_id("rose");
     let change = |v, price| CardChange {
         id: id.clone(),
-        card: master_card(&id, 1, Some(&Cheapest { place: PlaceKey::new(7, 1), price, currency: None })),
+        card: master_card(
+            &id,
+            1,
+            Some(&Cheapest { place: PlaceKey::new(7, 1), price, currency: None }),
+        ),
         version: v,
         at: 0,
     };

@@ -6,7 +6,10 @@ use super::*;
 
 /// What the parser thread sends: commands are built there, off the runtime.
 /// A rejection is boxed: it is rare and several times a command's size,
-/// and every event is moved twice (into its chunk, out of it).
+/// and every event is moved twice (into its chunk, out of it). A command is
+/// not: nearly every event is one, and boxing it would add an allocation
+/// per item.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Event {
     Place(i64),
     Command(Command),

@@ -235,8 +235,8 @@ fn slot_ops(keys: &Keys, ops: &mut CommitOps, slots: &Slots) {
         }
         let member = || format!("{b}:{p}:{id}").into_bytes();
         let at = slot.record.as_ref().map_or(0, |r| r.updated_at);
-        tombstones.note(slot.tombstone, at, &member);
-        absent.note(slot.absent_index, at, &member);
+        tombstones.note(slot.tombstone, at, member);
+        absent.note(slot.absent_index, at, member);
     }
     let mut new_places = Vec::new();
     for (place, args) in records {
@@ -497,7 +497,7 @@ impl Store {
         n: usize,
         timeout: std::time::Duration,
     ) -> Result<usize, StoreError> {
-        Ok(self.query(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64)).await?)
+        self.query(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64)).await
     }
 
     /// The last applied command sequence of a partition.

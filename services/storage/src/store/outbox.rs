@@ -2,9 +2,9 @@
 //! before it), trim exactly what was published, and the dead letters kept
 //! aside for an operator, with their redrive.
 
-use shelfsync_bus::Partition;
 use prost::Message;
 use redis::Value;
+use shelfsync_bus::Partition;
 use shelfsync_proto::OutboxEntry;
 
 use super::{Store, StoreError, decode_entries};
@@ -115,7 +115,7 @@ impl Store {
     }
 
     pub async fn outbox_len(&self, partition: Partition) -> Result<u64, StoreError> {
-        Ok(self.query(redis::cmd("LLEN").arg(self.keys(partition).outbox())).await?)
+        self.query(redis::cmd("LLEN").arg(self.keys(partition).outbox())).await
     }
 
     /// The newest `limit` outbox entries kept aside as unpublishable.
@@ -133,7 +133,11 @@ impl Store {
     /// Moves outbox entries kept aside back to the tail of the partition's
     /// outbox (all of them, or those with these message ids), in one
     /// atomic step; returns how many.
-    pub async fn redrive(&self, partition: Partition, msg_ids: &[String]) -> Result<u64, StoreError> {
+    pub async fn redrive(
+        &self,
+        partition: Partition,
+        msg_ids: &[String],
+    ) -> Result<u64, StoreError> {
         let keys = self.keys(partition);
         let mut conn = self.conn.clone();
         let raw: Vec<Vec<u8>> =

@@ -76,7 +76,8 @@ impl Store {
         partitions: u32,
         key: &RecordKey,
     ) -> Result<Option<Record>, StoreError> {
-        let found = self.get_many(partitions, key.place(), &[key.product_id.clone()]).await?;
+        let found =
+            self.get_many(partitions, key.place(), std::slice::from_ref(&key.product_id)).await?;
         Ok(found.into_iter().next().flatten())
     }
 

@@ -143,17 +143,16 @@ impl Store {
 
     /// Members of an index zset scored at or below `cutoff`, oldest first.
     async fn due(&self, key: &str, cutoff: i64, limit: usize) -> Result<Vec<String>, StoreError> {
-        Ok(self
-            .query(
-                redis::cmd("ZRANGEBYSCORE")
-                    .arg(key)
-                    .arg("-inf")
-                    .arg(cutoff)
-                    .arg("LIMIT")
-                    .arg(0)
-                    .arg(limit),
-            )
-            .await?)
+        self.query(
+            redis::cmd("ZRANGEBYSCORE")
+                .arg(key)
+                .arg("-inf")
+                .arg(cutoff)
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit),
+        )
+        .await
     }
 }
 

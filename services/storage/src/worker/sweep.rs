@@ -25,8 +25,8 @@ use tracing::{debug, warn};
 use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
 use crate::apply::{apply_batch, reason};
-use crate::outbox::TraceParts;
 use crate::outbox::Relay;
+use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// Records one sweep step marks absent at most (and generation entries one
@@ -198,8 +198,8 @@ impl Worker {
             // With no candidate there is nothing to find: nothing is written
             // between the census and here (this worker is the place's only
             // writer, one message at a time).
-            let mut cursor = 0;
-            while census.candidates > 0 {
+            let (mut cursor, mut scanning) = (0, census.candidates > 0);
+            while scanning {
                 alive.tick().await;
                 let (next, column) = self.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
@@ -241,10 +241,7 @@ impl Worker {
                         self.stats.sweep_changes(changes.len() as u64);
                     }
                 }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
+                (cursor, scanning) = (next, next != 0);
             }
             let mut outcome =
                 sweep::outcome(s, Decision::Apply, census, step.marked, Self::now_us());
