@@ -346,8 +346,6 @@ impl Store {
         pipe.get(keys.seq()).get(keys.step());
         for (place, ids) in &by_place {
             hmget_place(&mut pipe, &keys, *place, ids);
-        }
-        for place in by_place.keys() {
             pipe.exists(keys.records(*place));
         }
         let mut conn = self.conn.clone();
@@ -357,17 +355,14 @@ impl Store {
         let mut loaded = Loaded::default();
         loaded.at.applied = redis::from_redis_value::<Option<u64>>(next())?.unwrap_or(0);
         loaded.at.step = redis::from_redis_value::<Option<String>>(next())?.unwrap_or_default();
-        let places: Vec<PlaceKey> = by_place.keys().copied().collect();
         for (place, ids) in by_place {
             let recs: Column = redis::from_redis_value(next())?;
+            if !redis::from_redis_value::<bool>(next())? {
+                loaded.empty_places.push(place);
+            }
             let slots = self.slots_of(&keys, place, &ids, recs)?;
             for (id, slot) in ids.into_iter().zip(slots) {
                 loaded.slots.insert((place.brand_id, place.place_id, id), slot);
-            }
-        }
-        for place in places {
-            if !redis::from_redis_value::<bool>(next())? {
-                loaded.empty_places.push(place);
             }
         }
         Ok(loaded)
