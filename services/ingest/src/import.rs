@@ -24,7 +24,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
-use async_nats::HeaderMap;
 use bytes::Bytes;
 use prost::Message;
 use shelfsync_bus::{

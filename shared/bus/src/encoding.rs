@@ -8,6 +8,7 @@
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
+use shelfsync_settings::Compression;
 
 /// Header naming how the payload is encoded (absent: plain protobuf).
 pub const ENCODING_HEADER: &str = "Shelfsync-Encoding";
@@ -34,6 +35,19 @@ pub enum EncodingError {
 /// `raw` as an `lz4` payload.
 pub fn compress(raw: &[u8]) -> Vec<u8> {
     lz4_flex::block::compress_prepend_size(raw)
+}
+
+/// `raw` encoded for the wire as `compression` says, with the headers that
+/// say so (none for plain protobuf); [`decode`] reads it back.
+pub fn encode(compression: Compression, raw: Vec<u8>) -> (Bytes, Option<HeaderMap>) {
+    match compression {
+        Compression::None => (Bytes::from(raw), None),
+        Compression::Lz4 => {
+            let mut headers = HeaderMap::new();
+            headers.insert(ENCODING_HEADER, LZ4);
+            (Bytes::from(compress(&raw)), Some(headers))
+        }
+    }
 }
 
 /// The plain bytes of a payload encoded as `headers` say: the payload
@@ -86,6 +100,13 @@ mod tests {
         assert_eq!(decode(None, &raw).unwrap().as_ptr(), raw.as_ptr());
         assert_eq!(decode(Some(&HeaderMap::new()), &raw).unwrap().as_ptr(), raw.as_ptr());
         assert_eq!(decode(Some(&lz4_headers()), &compress(b"").into()).unwrap(), &b""[..]);
+        // What `encode` sends, `decode` reads back; `none` sends the bytes as they are.
+        let (sent, headers) = encode(Compression::Lz4, raw.to_vec());
+        assert!(sent.len() < raw.len() / 2);
+        assert_eq!(decode(headers.as_ref(), &sent).unwrap(), raw);
+        let (sent, headers) = encode(Compression::None, raw.to_vec());
+        assert!(headers.is_none());
+        assert_eq!(sent, raw);
     }
 
     #[test]

@@ -185,15 +185,7 @@ impl Run<'_> {
         msg_id: String,
         batch: CommandBatch,
     ) -> Result<(), ImportError> {
-        let raw = batch.encode_to_vec();
-        let (payload, headers) = match self.compression {
-            Compression::None => (Bytes::from(raw), None),
-            Compression::Lz4 => {
-                let mut headers = HeaderMap::new();
-                headers.insert(encoding::ENCODING_HEADER, encoding::LZ4);
-                (Bytes::from(encoding::compress(&raw)), Some(headers))
-            }
-        };
+        let (payload, headers) = encoding::encode(self.compression, batch.encode_to_vec());
         self.report.bytes_out += payload.len() as u64;
         let subject = self.subjects.cmd(partition);
         let span = shelfsync_telemetry::send_span!(
