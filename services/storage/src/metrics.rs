@@ -86,7 +86,6 @@ impl Stats {
     }
 }
 
-
 fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
 }
@@ -100,11 +99,29 @@ impl Stats {
         add(&self.batches_ahead, ahead);
     }
 
-    /// What one applied command message did (`n_changes`: its changes,
+    /// A message applied (what went through Redis, `split.rest`, and what
+    /// the owner vouched for, `split.skipped`; `n_changes`: its changes,
     /// which the caller may have moved out of `o` already), with the
     /// freshness of its commands at storage.
-    pub(crate) fn applied(&self, batch: &CommandBatch, n_changes: u64, o: &Outcome) {
-        add(&self.commands, batch.commands.len() as u64);
+    pub(crate) fn applied(&self, split: &crate::known::Split, n_changes: u64, o: &Outcome) {
+        self.applied_with(&split.rest, split.skipped, &split.skipped_published, n_changes, o);
+    }
+
+    /// [`Stats::applied`] of a message every command of which went through
+    /// Redis.
+    pub(crate) fn applied_batch(&self, batch: &CommandBatch, n_changes: u64, o: &Outcome) {
+        self.applied_with(batch, 0, &[], n_changes, o);
+    }
+
+    fn applied_with(
+        &self,
+        batch: &CommandBatch,
+        skipped: u64,
+        skipped_published: &[i64],
+        n_changes: u64,
+        o: &Outcome,
+    ) {
+        add(&self.commands, batch.commands.len() as u64 + skipped);
         add(&self.applied, o.applied);
         add(&self.changes, n_changes);
         add(&self.unchanged, o.unchanged);
@@ -114,19 +131,21 @@ impl Stats {
         counter!(names::CHANGES_EMITTED).increment(n_changes);
         let freshness = histogram!(names::FRESHNESS_SECONDS, "stage" => "storage");
         // A command without an origin of its own has its batch's.
-        let since =
-            |o: &shelfsync_proto::Origin| shelfsync_telemetry::seconds_since_us(o.published_at);
-        let mut inherited = 0;
+        let since = shelfsync_telemetry::seconds_since_us;
+        let mut inherited = skipped.saturating_sub(skipped_published.len() as u64);
+        for t in skipped_published {
+            since(*t).into_iter().for_each(|s| freshness.record(s));
+        }
         for c in &batch.commands {
             match &c.origin {
-                Some(o) => since(o).into_iter().for_each(|s| freshness.record(s)),
+                Some(o) => since(o.published_at).into_iter().for_each(|s| freshness.record(s)),
                 None => inherited += 1,
             }
         }
-        if let Some(s) = batch.origin.as_ref().and_then(since)
+        if let Some(s) = batch.origin.as_ref().and_then(|o| since(o.published_at))
             && inherited > 0
         {
-            freshness.record_many(s, inherited);
+            freshness.record_many(s, inherited as usize);
         }
         rejected(&o.rejections);
     }

@@ -1669,6 +1669,38 @@ fn import_batch(items: &[Op], generation: i64) -> CommandBatch {
     )
 }
 
+/// Data a partner's PATCH may carry on the wire: a Product, and around it
+/// fields it does not know (any number, varint or bytes) and fields that
+/// appear twice (the later one wins), as a newer or sloppier sender writes.
+fn any_patch_data() -> impl Strategy<Value = Vec<u8>> {
+    let extra = (
+        1u32..14,
+        prop_oneof![
+            any::<u64>().prop_map(|v| (0u8, v.to_le_bytes().to_vec())),
+            prop::collection::vec(any::<u8>(), 0..5).prop_map(|b| (2u8, b)),
+        ],
+    );
+    (any_product(), prop::collection::vec(extra, 0..4), any::<bool>()).prop_map(
+        |(product, extra, first)| {
+            let mut raw = Vec::new();
+            use prost::encoding::{WireType, encode_key, encode_varint};
+            for (number, (wire, bytes)) in extra {
+                if wire == 0 {
+                    encode_key(number, WireType::Varint, &mut raw);
+                    let v = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+                    encode_varint(v, &mut raw);
+                } else {
+                    encode_key(number, WireType::LengthDelimited, &mut raw);
+                    encode_varint(bytes.len() as u64, &mut raw);
+                    raw.extend_from_slice(&bytes);
+                }
+            }
+            let product = product.encode_to_vec();
+            if first { [product, raw].concat() } else { [raw, product].concat() }
+        },
+    )
+}
+
 // ----------------------------------------------------------------- properties
 
 proptest! {
@@ -1748,6 +1780,43 @@ proptest! {
         prop_assert_eq!(&store.records, &stored.records);
         prop_assert_eq!(&store.gens, &stored.gens);
         prop_assert_eq!(reimport.outcome.sweeps[0].marked_absent, 0);
+    }
+
+    /// A plain PATCH (no compare-and-swap) applied once more to the record
+    /// it just wrote changes nothing and writes nothing: what lets the
+    /// partition's owner vouch for it without trying (`known`), whatever the
+    /// record was before (none, present, absent, deleted), the data (unknown
+    /// and repeated fields included), the fields cleared and the import.
+    #[test]
+    fn a_plain_patch_changes_nothing_on_what_it_wrote(
+        history in prop::collection::vec(any_op(), 0..24),
+        at in any_key(),
+        data in any_patch_data(),
+        state in any_state(),
+        clear_data in any_clear(),
+        clear_state in prop_oneof![3 => Just(Vec::new()), 1 => Just(vec![HIDDEN])],
+        generation in prop_oneof![Just(0i64), 1i64..12],
+    ) {
+        let (store, _) = replay(&history, |_| true);
+        let cmd = Command {
+            key: Some(RecordKey::new(at.0, at.1, at.2.clone())),
+            kind: CommandKind::Patch as i32,
+            data,
+            state: state.encode_to_vec(),
+            clear_data_fields: clear_data,
+            clear_state_fields: clear_state,
+            generation,
+            ..Default::default()
+        };
+        let mut slots = Slots::from_iter([(at.clone(), store.slot(&at))]);
+        let out = apply_batch(&batch(vec![cmd.clone()]), &mut slots, &HashMap::new(), &store.limits);
+        if out.rejections.is_empty() {
+            let written = slots[&at].clone();
+            prop_assert!(
+                changes_nothing(&cmd, &at, &written, &store.limits, &mut Slots::default()),
+                "{:?} on {:?}", cmd, written
+            );
+        }
     }
 
     #[test]

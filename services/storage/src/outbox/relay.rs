@@ -29,9 +29,9 @@ use shelfsync_proto::{OutboxEntry, msg_type};
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, error, warn};
 
+use super::smaller;
 use crate::failpoint;
 use crate::metrics::Stats;
-use super::smaller;
 use crate::store::{OUTBOX_PEEK, Store, StoreError};
 
 /// How many times an entry JetStream refuses (other than for its size) is
@@ -65,6 +65,9 @@ pub(crate) struct Relay {
     known: HashMap<String, u64>,
     /// A publish may have landed without an ack seen: read back first.
     uncertain: bool,
+    /// What an earlier version left in the partition's outbox list was
+    /// moved to the outbox stream.
+    adopted: bool,
     /// Entries refused as too large (message ids): published in pieces.
     too_large: HashSet<String>,
     /// Entries refused otherwise (message ids): attempts so far.
@@ -92,6 +95,7 @@ impl Relay {
             stats,
             known: HashMap::new(),
             uncertain: true,
+            adopted: false,
             too_large: HashSet::new(),
             refused: HashMap::new(),
         };
@@ -146,6 +150,16 @@ impl Relay {
     }
 
     async fn relay_all(&mut self) -> Result<usize, RelayError> {
+        if !self.adopted {
+            let moved = self.store.adopt_legacy_outbox(self.partition).await?;
+            if moved > 0 {
+                tracing::info!(
+                    partition = %self.partition, moved,
+                    "outbox entries an earlier version left in its outbox list are relayed now"
+                );
+            }
+            self.adopted = true;
+        }
         let mut total = 0;
         loop {
             let entries = self.store.outbox_peek(self.partition, OUTBOX_PEEK).await?;
@@ -211,7 +225,13 @@ impl Relay {
         shelfsync_telemetry::set_parent(&span, cx);
         let headers = relay_headers(&span, e);
         self.publisher
-            .publish(e.subject.clone(), e.msg_id.clone(), &e.msg_type, headers, e.payload.clone().into())
+            .publish(
+                e.subject.clone(),
+                e.msg_id.clone(),
+                &e.msg_type,
+                headers,
+                e.payload.clone().into(),
+            )
             .instrument(span)
             .await
     }

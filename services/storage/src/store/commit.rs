@@ -10,11 +10,13 @@ use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
 use redis::Value;
-use shelfsync_proto::{CommandBatch, SweepOutcome};
+use shelfsync_proto::{CommandBatch, OutboxEntry, SweepOutcome};
 
+use super::outbox::OUTBOX_FIELD;
 use super::{Column, RedisConn, hmget_place, stored_bytes};
 use super::{Commit, Fence, Keys, Loaded, Position, Store, StoreError, StreamBinding, Writes};
-use crate::apply::{Key, Slots, Touch, touched, touched_set};
+use crate::apply::touched_set::Appends;
+use crate::apply::{Key, Slots, touched};
 
 /// How long a sweep's outcome is kept for its import's report, and a
 /// touched set whose sweep did not come (refreshed by every append).
@@ -43,7 +45,7 @@ local function keep(marker, frozen, key, from, to, stride)
   local ttl = redis.call('PTTL', marker)
   if ttl > 0 then redis.call('PEXPIRE', frozen, ttl) end
 end
-local function run_ops(i)
+local function run_ops(i, added)
   local n = #ARGV
   while i <= n do
     local op = ARGV[i]
@@ -59,10 +61,11 @@ local function run_ops(i)
       from = i + 2
     elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
         and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
-        and op ~= 'DEL' then
+        and op ~= 'DEL' and op ~= 'XADD' then
       return 'unknown op ' .. op
     end
-    redis.call(op, key, unpack(ARGV, from, i + count - 1))
+    local r = redis.call(op, key, unpack(ARGV, from, i + count - 1))
+    if op == 'XADD' then added[#added + 1] = r end
     i = i + count
   end
 end
@@ -73,18 +76,23 @@ end
 /// is not empty — KEYS[4] the command stream's identity = ARGV[5]), then runs
 /// every write ([`OPS_LUA`] from ARGV[6] on) and moves the partition to
 /// ARGV[2] / ARGV[4] (an empty step: none), all in one atomic step. Returns 0
-/// when fenced, else the head of the outbox (KEYS[2]).
+/// when fenced, else the length of the outbox stream (KEYS[2]) followed by
+/// the ids of the entries this commit added to it: when the two counts are
+/// equal, the outbox holds exactly this commit's entries, which the relay
+/// then publishes from memory instead of reading them back.
 const COMMIT_LUA: &str = r#"
 local cur = redis.call('GET', KEYS[1]) or '0'
 if cur ~= ARGV[1] then return 0 end
 local step = redis.call('GET', KEYS[3]) or ''
 if step ~= ARGV[3] then return 0 end
 if ARGV[5] ~= '' and (redis.call('GET', KEYS[4]) or '') ~= ARGV[5] then return 0 end
-local err = run_ops(6)
+local added = {}
+local err = run_ops(6, added)
 if err then return redis.error_reply('commit: ' .. err) end
 redis.call('SET', KEYS[1], ARGV[2])
 if ARGV[4] == '' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4]) end
-return redis.call('LRANGE', KEYS[2], 0, 255)
+table.insert(added, 1, redis.call('XLEN', KEYS[2]))
+return added
 "#;
 
 /// Adopts the command stream a partition's sequence counts in: ARGV[1] is
@@ -151,6 +159,11 @@ impl CommitOps {
         self.keys.push(k.to_string());
         self.key_index.insert(k.to_string(), self.keys.len());
         self.keys.len()
+    }
+
+    /// Adds one entry (`OutboxEntry` bytes) to the outbox stream `key`.
+    pub(super) fn add_to_outbox(&mut self, key: &str, entry: Vec<u8>) {
+        self.op("XADD", key, vec![b"*".to_vec(), OUTBOX_FIELD.as_bytes().to_vec(), entry], 3);
     }
 
     /// Adds `op key args...`, split into chunks whose length is a multiple of
@@ -280,14 +293,10 @@ impl IndexWrites {
 
 /// Appends what full imports carried to their touched sets, one `APPEND`
 /// per place and import.
-fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &[Touch]) {
-    let mut by_set: BTreeMap<(PlaceKey, i64), Vec<&str>> = BTreeMap::new();
-    for t in touched {
-        by_set.entry(t.of()).or_default().push(&t.product_id);
-    }
-    for ((place, generation), ids) in by_set {
+fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &Appends) {
+    for (place, generation, ids) in touched.iter() {
         let key = keys.touched(place, generation);
-        ops.op("APPEND", &key, vec![touched_set::encode(ids)], 1);
+        ops.op("APPEND", &key, vec![ids.to_vec()], 1);
         ops.op("PEXPIRE", &key, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
     }
 }
@@ -455,34 +464,31 @@ impl Store {
         }
         touched_ops(&keys, &mut ops, writes.touched);
         sweep_ops(&keys, &mut ops, writes.sweeps);
-        ops.op(
-            "RPUSH",
-            &keys.outbox(),
-            writes.outbox.iter().map(Message::encode_to_vec).collect(),
-            1,
-        );
-        let mut conn = self.conn.clone();
-        match ops.invoke(&self.commit_script, &mut conn).await? {
-            Value::Int(0) => Ok(Commit::Fenced),
-            head => {
-                self.keep_head(partition, head)?;
-                Ok(Commit::Done)
-            }
+        for entry in writes.outbox {
+            ops.add_to_outbox(&keys.outbox(), entry.encode_to_vec());
         }
+        let mut conn = self.conn.clone();
+        let reply = ops.invoke(&self.commit_script, &mut conn).await?;
+        self.committed(partition, reply, writes.outbox)
     }
 
-    /// Keeps the outbox head a write read back, for the next peek.
-    pub(super) fn keep_head(&self, partition: Partition, head: Value) -> Result<(), StoreError> {
-        let raw: Vec<Vec<u8>> = match head {
-            Value::Nil => Vec::new(),
-            v => redis::from_redis_value(v)?,
-        };
-        let now = std::time::Instant::now();
-        self.read_with_write
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(partition.0, (now, raw));
-        Ok(())
+    /// What a commit's reply (`COMMIT_LUA`'s) says: fenced, or done; when
+    /// the outbox holds only the entries the commit added (`pushed`), they
+    /// are kept as its head for the relay's next peek.
+    pub(super) fn committed(
+        &self,
+        partition: Partition,
+        reply: Value,
+        pushed: &[OutboxEntry],
+    ) -> Result<Commit, StoreError> {
+        let Value::Array(reply) = reply else { return Ok(Commit::Fenced) };
+        let mut reply = reply.into_iter();
+        let len: usize = redis::from_redis_value(reply.next().unwrap_or(Value::Nil))?;
+        let ids: Vec<String> = reply.map(redis::from_redis_value).collect::<Result<_, _>>()?;
+        let head = (len == ids.len() && ids.len() == pushed.len())
+            .then(|| ids.into_iter().zip(pushed.iter().cloned()).collect());
+        self.keep_head(partition, head);
+        Ok(Commit::Done)
     }
 
     /// `WAIT n timeout`: how many replicas have every write made on this

@@ -58,7 +58,13 @@ impl Keys {
     pub fn dead(&self) -> String {
         format!("{}:dead", self.tag)
     }
+    /// The outbox stream.
     pub fn outbox(&self) -> String {
+        format!("{}:obx", self.tag)
+    }
+    /// The outbox of versions before the stream (a list), adopted by
+    /// [`super::Store::adopt_legacy_outbox`].
+    pub fn legacy_outbox(&self) -> String {
         format!("{}:outbox", self.tag)
     }
     pub fn tombstones(&self) -> String {

@@ -11,7 +11,7 @@
 //! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
 //! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
 //! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
-//! | `{ns:pN}:outbox` | list | `OutboxEntry` bytes not yet published |
+//! | `{ns:pN}:obx` | stream | `OutboxEntry` bytes not yet published (field `e`), in commit order |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
 //! | `{ns:pN}:absent` | zset | `<brand>:<place>:<product_id>` of absent records, scored by when they became absent |
 //! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
@@ -51,7 +51,8 @@ use prost::Message;
 use shelfsync_proto::{PlaceKey, Record, RecordKey};
 use shelfsync_settings::RedisSettings;
 
-use crate::apply::{GenEntry, Slot, Slots, Touch};
+use crate::apply::touched_set::Appends;
+use crate::apply::{GenEntry, Slot, Slots};
 use shelfsync_proto::{OutboxEntry, SweepOutcome};
 
 mod commit;
@@ -136,22 +137,33 @@ pub struct Fence {
 }
 
 /// Everything one commit writes besides the position.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Writes<'a> {
     pub slots: Option<&'a Slots>,
     /// Records full imports carried (appended to their touched sets).
-    pub touched: &'a [Touch],
+    pub touched: &'a Appends,
     pub outbox: &'a [OutboxEntry],
     /// Decided sweeps: kept per import; a held one is kept for its place,
     /// an applied one ends what was held for its place.
     pub sweeps: &'a [SweepOutcome],
 }
 
+impl Default for Writes<'_> {
+    fn default() -> Self {
+        Writes { slots: None, touched: Appends::none(), outbox: &[], sweeps: &[] }
+    }
+}
+
 impl<'a> Writes<'a> {
     /// What deciding one sweep writes: its outcome and what it publishes,
     /// no records.
     pub fn decided(outbox: &'a [OutboxEntry], outcome: &'a SweepOutcome) -> Self {
-        Writes { slots: None, touched: &[], outbox, sweeps: std::slice::from_ref(outcome) }
+        Writes {
+            slots: None,
+            touched: Appends::none(),
+            outbox,
+            sweeps: std::slice::from_ref(outcome),
+        }
     }
 }
 
@@ -185,13 +197,13 @@ pub struct Store {
     namespace: String,
     commit_script: redis::Script,
     bind_script: redis::Script,
-    trim_script: redis::Script,
-    /// Per partition, how many outbox entries [`Store::outbox_peek`] last
-    /// returned and the raw bytes of the last one, so that
-    /// [`Store::outbox_trim`] removes exactly those.
-    peeked: Arc<Mutex<HashMap<u32, outbox::LastPeek>>>,
-    /// Per partition, the head of the outbox (raw) as the last commit or
-    /// trim left it: the next [`Store::outbox_peek`], read with that write.
+    adopt_script: redis::Script,
+    /// Per partition, the stream ids of the outbox entries
+    /// [`Store::outbox_peek`] last returned, so that [`Store::outbox_trim`]
+    /// removes exactly those.
+    peeked: Arc<Mutex<HashMap<u32, Vec<String>>>>,
+    /// Per partition, the head of the outbox as the last commit or trim
+    /// left it: the next [`Store::outbox_peek`], known without a read.
     read_with_write: Arc<Mutex<HashMap<u32, outbox::HeadRead>>>,
 }
 
@@ -202,7 +214,7 @@ impl Store {
             namespace: cfg.namespace.clone(),
             commit_script: commit::commit_script(),
             bind_script: commit::bind_script(),
-            trim_script: outbox::trim_script(),
+            adopt_script: outbox::adopt_script(),
             peeked: Arc::default(),
             read_with_write: Arc::default(),
         })
@@ -327,13 +339,6 @@ fn full_record(place: PlaceKey, id: impl Into<String>, slot: Slot) -> Option<Rec
     let generation = slot.generation;
     let key = |id| Some(RecordKey::new(place.brand_id, place.place_id, id));
     slot.record.map(|r| Record { key: key(id), generation, ..r })
-}
-
-/// Decodes outbox entries as stored under `key`.
-fn decode_entries(key: &str, raw: &[Vec<u8>]) -> Result<Vec<OutboxEntry>, StoreError> {
-    raw.iter()
-        .map(|b| OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::corrupt(key, e)))
-        .collect()
 }
 
 #[cfg(test)]

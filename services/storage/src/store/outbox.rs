@@ -1,121 +1,155 @@
-//! The outbox as the relay sees it: peek the head (often read with the write
-//! before it), trim exactly what was published, and the dead letters kept
-//! aside for an operator, with their redrive.
+//! The outbox as the relay sees it: a Redis stream per partition
+//! (`{ns:pN}:obx`, one entry per `OutboxEntry`, its bytes in the field
+//! [`OUTBOX_FIELD`]), in commit order. Peek the head (usually kept from the
+//! commit that wrote it), delete exactly what was published by the entries'
+//! ids, and the dead letters kept aside for an operator, with their redrive.
+//!
+//! A stream rather than a list because its entries have ids: a trim deletes
+//! the entries it published and nothing else, also when two processes relay
+//! one partition for a while (a stale owner during a rescale), without
+//! sending their bytes back to Redis to find them; and a commit learns the
+//! ids of what it added, so the relay publishes them from memory. The
+//! outbox of an earlier version (a list, `{ns:pN}:outbox`) is moved into
+//! the stream when the partition's relay starts
+//! ([`Store::adopt_legacy_outbox`]).
+
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use redis::Value;
 use shelfsync_bus::Partition;
 use shelfsync_proto::OutboxEntry;
 
-use super::{Store, StoreError, decode_entries};
+use super::{Store, StoreError};
 
-/// Outbox entries read back by the commit and the trim (`LRANGE 0 255` in
-/// `COMMIT_LUA` and [`TRIM_LUA`]): the relay's next peek comes with the
-/// write before it instead of costing a round trip.
+/// Most outbox entries one peek returns.
 pub const OUTBOX_PEEK: usize = 256;
-/// A head read with a write is used by a peek this soon after it only.
-const HEAD_FRESH: std::time::Duration = std::time::Duration::from_secs(2);
+/// A head kept with a write is used by a peek this soon after it only.
+const HEAD_FRESH: Duration = Duration::from_secs(2);
+/// The stream field holding an entry's `OutboxEntry` bytes.
+pub(super) const OUTBOX_FIELD: &str = "e";
 
 /// Entries kept in the partition's list of unpublishable outbox entries.
 const DEAD_KEPT: i64 = 1000;
 
-/// Removes the head of the outbox up to and including ARGV[1], an entry this
-/// process published, if it is still there. Entries are unique (their
-/// message ids carry partition, sequence and part) and only ever appended at
-/// the tail and removed from the head, so everything before it was published
-/// too. A plain `LTRIM n` is not safe when two processes relay one partition
-/// for a while (a stale owner during a rescale): the other one may already
-/// have trimmed those entries, and `n` would then remove newer, unpublished
-/// ones.
-/// Returns the head of the outbox after the trim.
-const TRIM_LUA: &str = r#"
-local i = redis.call('LPOS', KEYS[1], ARGV[1])
-if i then redis.call('LTRIM', KEYS[1], i + 1, -1) end
-return redis.call('LRANGE', KEYS[1], 0, 255)
+/// Moves an earlier version's outbox list (KEYS[1]) to the end of the
+/// outbox stream (KEYS[2]), in order, in one step; returns how many.
+const ADOPT_LUA: &str = r#"
+local items = redis.call('LRANGE', KEYS[1], 0, -1)
+for _, e in ipairs(items) do redis.call('XADD', KEYS[2], '*', ARGV[1], e) end
+redis.call('DEL', KEYS[1])
+return #items
 "#;
 
-/// The raw outbox head a write read back, and when.
-pub(super) type HeadRead = (std::time::Instant, Vec<Vec<u8>>);
-
-/// How many entries a peek returned, and the last one as stored.
-pub(super) type LastPeek = (usize, Vec<u8>);
-
-/// The script of [`Store::outbox_trim`].
-pub(super) fn trim_script() -> redis::Script {
-    redis::Script::new(TRIM_LUA)
+/// The script of [`Store::adopt_legacy_outbox`].
+pub(super) fn adopt_script() -> redis::Script {
+    redis::Script::new(ADOPT_LUA)
 }
 
+/// Outbox entries with their stream ids, oldest first.
+pub(super) type Head = Vec<(String, OutboxEntry)>;
+
+/// The head a write left, and when.
+pub(super) type HeadRead = (Instant, Head);
+
 impl Store {
-    /// Up to `n` outbox entries from the head, oldest first.
+    /// Up to `n` outbox entries from the head, oldest first. The entries
+    /// peeked are the ones [`Store::outbox_trim`] removes next.
     pub async fn outbox_peek(
         &self,
         partition: Partition,
         n: usize,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
-        let key = self.keys(partition).outbox();
         let kept =
             self.read_with_write.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition.0);
-        let raw: Vec<Vec<u8>> = match kept {
-            // As fresh as a peek: the worker relays right after its write.
+        let head = match kept {
+            // As fresh as a read: the worker relays right after its write.
             Some((at, mut head)) if n <= OUTBOX_PEEK && at.elapsed() < HEAD_FRESH => {
                 head.truncate(n);
                 head
             }
-            _ => {
-                let mut conn = self.conn.clone();
-                redis::cmd("LRANGE")
-                    .arg(&key)
-                    .arg(0)
-                    .arg(n.saturating_sub(1) as i64)
-                    .query_async(&mut conn)
-                    .await?
-            }
+            _ => self.read_outbox(partition, n).await?,
         };
-        let entries = decode_entries(&key, &raw)?;
+        let (ids, entries): (Vec<String>, Vec<OutboxEntry>) = head.into_iter().unzip();
         let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
-        match raw.into_iter().last() {
-            Some(last) => peeked.insert(partition.0, (entries.len(), last)),
-            None => peeked.remove(&partition.0),
-        };
+        if ids.is_empty() {
+            peeked.remove(&partition.0);
+        } else {
+            peeked.insert(partition.0, ids);
+        }
         Ok(entries)
     }
 
-    /// Removes the `n` entries the last [`Store::outbox_peek`] of the
-    /// partition returned, once they are published — only those, even if
-    /// another process trimmed them meanwhile (see `TRIM_LUA`). Without such
-    /// a peek, trims the first `n` of the list.
+    /// `XRANGE` of the first `n` entries.
+    async fn read_outbox(&self, partition: Partition, n: usize) -> Result<Head, StoreError> {
+        let key = self.keys(partition).outbox();
+        let reply: Value = self
+            .query(redis::cmd("XRANGE").arg(&key).arg("-").arg("+").arg("COUNT").arg(n))
+            .await?;
+        stream_entries(&key, reply)
+    }
+
+    /// Removes the first `n` entries the last [`Store::outbox_peek`] of the
+    /// partition returned, once they are published, by their ids: only
+    /// those, even if another process removed them meanwhile. Without such
+    /// a peek, removes the first `n` of the stream.
     pub async fn outbox_trim(&self, partition: Partition, n: usize) -> Result<(), StoreError> {
         if n == 0 {
             return Ok(());
         }
-        let last = {
-            let mut peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner());
-            peeked.remove(&partition.0).and_then(|(len, last)| (len == n).then_some(last))
+        let peeked = self.peeked.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition.0);
+        let ids = match peeked {
+            Some(mut ids) if ids.len() >= n => {
+                ids.truncate(n);
+                ids
+            }
+            _ => self.read_outbox(partition, n).await?.into_iter().map(|(id, _)| id).collect(),
         };
         let key = self.keys(partition).outbox();
         let mut conn = self.conn.clone();
-        let head: Value = match last {
-            Some(last) => self.trim_script.key(key).arg(last).invoke_async(&mut conn).await?,
-            None => {
-                let (_, head): (Value, Value) = redis::pipe()
-                    .cmd("LTRIM")
-                    .arg(&key)
-                    .arg(n as i64)
-                    .arg(-1)
-                    .cmd("LRANGE")
-                    .arg(&key)
-                    .arg(0)
-                    .arg(OUTBOX_PEEK as i64 - 1)
-                    .query_async(&mut conn)
-                    .await?;
-                head
-            }
+        let (_, left): (Value, usize) = redis::pipe()
+            .cmd("XDEL")
+            .arg(&key)
+            .arg(&ids)
+            .cmd("XLEN")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await?;
+        // An empty outbox is a head known without reading it.
+        self.keep_head(partition, (left == 0).then(Vec::new));
+        Ok(())
+    }
+
+    /// Keeps the head a write left (`None`: not known), for the next peek.
+    pub(super) fn keep_head(&self, partition: Partition, head: Option<Head>) {
+        let mut kept = self.read_with_write.lock().unwrap_or_else(|e| e.into_inner());
+        match head {
+            Some(head) => kept.insert(partition.0, (Instant::now(), head)),
+            None => kept.remove(&partition.0),
         };
-        self.keep_head(partition, head)
     }
 
     pub async fn outbox_len(&self, partition: Partition) -> Result<u64, StoreError> {
-        self.query(redis::cmd("LLEN").arg(self.keys(partition).outbox())).await
+        self.query(redis::cmd("XLEN").arg(self.keys(partition).outbox())).await
+    }
+
+    /// Moves what an earlier version left in the partition's outbox list to
+    /// the end of its outbox stream, to be relayed like the rest; returns
+    /// how many entries it moved.
+    pub async fn adopt_legacy_outbox(&self, partition: Partition) -> Result<u64, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let moved: u64 = self
+            .adopt_script
+            .key(keys.legacy_outbox())
+            .key(keys.outbox())
+            .arg(OUTBOX_FIELD)
+            .invoke_async(&mut conn)
+            .await?;
+        if moved > 0 {
+            self.keep_head(partition, None);
+        }
+        Ok(moved)
     }
 
     /// The newest `limit` outbox entries kept aside as unpublishable.
@@ -156,9 +190,15 @@ impl Store {
         pipe.atomic();
         for b in &chosen {
             pipe.cmd("LREM").arg(keys.dead()).arg(1).arg(b.as_slice()).ignore();
-            pipe.cmd("RPUSH").arg(keys.outbox()).arg(b.as_slice()).ignore();
+            pipe.cmd("XADD")
+                .arg(keys.outbox())
+                .arg("*")
+                .arg(OUTBOX_FIELD)
+                .arg(b.as_slice())
+                .ignore();
         }
         let () = pipe.query_async(&mut conn).await?;
+        self.keep_head(partition, None);
         Ok(chosen.len() as u64)
     }
 
@@ -181,4 +221,30 @@ impl Store {
             .await?;
         Ok(())
     }
+}
+
+/// The entries of an `XRANGE` reply: `[[id, [field, value, ...]], ...]`.
+fn stream_entries(key: &str, reply: Value) -> Result<Head, StoreError> {
+    let corrupt = |what: &str| StoreError::corrupt(key, what);
+    let Value::Array(items) = reply else { return Err(corrupt("not a stream reply")) };
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let (id, fields): (String, Vec<Vec<u8>>) = redis::from_redis_value(item)?;
+        let bytes = fields
+            .chunks(2)
+            .find(|pair| pair.len() == 2 && pair[0] == OUTBOX_FIELD.as_bytes())
+            .map(|pair| &pair[1])
+            .ok_or_else(|| corrupt("an outbox entry without its bytes"))?;
+        let entry =
+            OutboxEntry::decode(bytes.as_slice()).map_err(|e| StoreError::corrupt(key, e))?;
+        out.push((id, entry));
+    }
+    Ok(out)
+}
+
+/// Decodes outbox entries as stored under `key`.
+fn decode_entries(key: &str, raw: &[Vec<u8>]) -> Result<Vec<OutboxEntry>, StoreError> {
+    raw.iter()
+        .map(|b| OutboxEntry::decode(b.as_slice()).map_err(|e| StoreError::corrupt(key, e)))
+        .collect()
 }

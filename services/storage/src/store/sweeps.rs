@@ -8,11 +8,10 @@ use shelfsync_proto::PlaceKey;
 use std::collections::{BTreeMap, HashSet};
 
 use prost::Message;
-use redis::Value;
 use shelfsync_proto::SweepOutcome;
 
 use super::commit::CommitOps;
-use super::{Column, Fence, Store, StoreError, gen_entry_of};
+use super::{Column, Commit, Fence, Store, StoreError, gen_entry_of};
 use crate::apply::{GenEntry, Key, touched_set};
 
 impl Store {
@@ -121,12 +120,9 @@ impl Store {
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);
         let mut conn = self.conn.clone();
-        match ops.invoke(&self.commit_script, &mut conn).await? {
-            Value::Int(0) => Ok(None),
-            head => {
-                self.keep_head(partition, head)?;
-                Ok(Some(members.len()))
-            }
+        match self.committed(partition, ops.invoke(&self.commit_script, &mut conn).await?, &[])? {
+            Commit::Fenced => Ok(None),
+            Commit::Done => Ok(Some(members.len())),
         }
     }
 

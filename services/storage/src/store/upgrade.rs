@@ -16,13 +16,12 @@
 //! not yet moved with generation 0.
 
 use prost::Message;
-use redis::Value;
 use shelfsync_bus::Partition;
 use shelfsync_proto::PlaceKey;
 use shelfsync_proto::Record;
 
 use super::commit::CommitOps;
-use super::{Column, Fence, Keys, Store, StoreError, stored_bytes};
+use super::{Column, Commit, Fence, Keys, Store, StoreError, stored_bytes};
 use crate::apply::GenEntry;
 
 /// The layout version this version writes, kept at `{ns:pN}:layout`.
@@ -137,12 +136,9 @@ impl Store {
         ops.kept_op(&records, &marker, &frozen, sets, 2);
         ops.op("HDEL", &gens, ids.iter().map(|id| id.to_vec()).collect(), 1);
         let mut conn = self.conn.clone();
-        match ops.invoke(&self.commit_script, &mut conn).await? {
-            Value::Int(0) => Ok(None),
-            head => {
-                self.keep_head(partition, head)?;
-                Ok(Some(moved))
-            }
+        match self.committed(partition, ops.invoke(&self.commit_script, &mut conn).await?, &[])? {
+            Commit::Fenced => Ok(None),
+            Commit::Done => Ok(Some(moved)),
         }
     }
 }

@@ -5,12 +5,11 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use prost::Message;
-use shelfsync_proto::CommandBatch;
 use shelfsync_telemetry::chain;
 use tracing::warn;
 
 use super::Worker;
+use crate::known::Scanned;
 
 /// Messages read ahead of the delivered one (at most `storage.read_ahead`)
 /// are committed with it as long as they hold this many commands and sweeps
@@ -30,7 +29,7 @@ impl Worker {
         &self,
         stream: &jetstream::stream::Stream,
         pending: u64,
-        parts: &mut Vec<(u64, CommandBatch)>,
+        parts: &mut Vec<(u64, Scanned)>,
     ) {
         let paused = *self.ahead_paused_until.lock().unwrap_or_else(|e| e.into_inner());
         if paused.is_some_and(|until| Instant::now() < until) {
@@ -38,7 +37,7 @@ impl Worker {
         }
         let subject = self.subjects.cmd(self.partition);
         let want = 1 + (pending as usize).min(self.config.storage.read_ahead);
-        let size = |b: &CommandBatch| b.commands.len() + b.sweeps.len();
+        let size = |m: &Scanned| m.len() + m.header.sweeps.len();
         let mut total: usize = parts.iter().map(|(_, b)| size(b)).sum();
         let mut contexts = Vec::new();
         while parts.len() < want && total < AHEAD_COMMANDS {
@@ -61,8 +60,8 @@ impl Worker {
             let Ok(plain) = shelfsync_bus::encoding::decode(Some(&m.headers), &m.payload) else {
                 break;
             };
-            let Ok(batch) = CommandBatch::decode(plain) else { break };
-            if !batch.sweeps.is_empty() || total + size(&batch) > AHEAD_COMMANDS {
+            let Ok(batch) = Scanned::read(plain) else { break };
+            if !batch.header.sweeps.is_empty() || total + size(&batch) > AHEAD_COMMANDS {
                 break;
             }
             total += size(&batch);

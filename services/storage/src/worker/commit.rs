@@ -8,15 +8,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use prost::Message;
-use shelfsync_proto::CommandBatch;
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, warn};
 
 use super::{HandleError, Handled, Worker};
+use crate::apply::touched_set::Appends;
 use crate::apply::{Limits, apply_batch, reason};
 use crate::failpoint;
+use crate::known::Scanned;
 use crate::outbox::Relay;
 use crate::outbox::{Outbox, TraceParts};
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
@@ -114,12 +114,12 @@ impl Worker {
         let trace = outbox_trace(msg);
         // What the message says in plain protobuf (it may travel compressed).
         let plain = shelfsync_bus::encoding::decode(msg.headers.as_ref(), &msg.payload);
-        let batch = match plain
+        let read = plain
             .clone()
             .map_err(|e| e.to_string())
-            .and_then(|p| shelfsync_proto::CommandBatch::decode(p).map_err(|e| e.to_string()))
-        {
-            Ok(b) => b,
+            .and_then(|p| Scanned::read(p).map_err(|e| e.to_string()));
+        let scanned = match read {
+            Ok(m) => m,
             Err(e) => {
                 let detail = format!("cannot decode CommandBatch: {e}");
                 return self
@@ -136,8 +136,8 @@ impl Worker {
             }
         };
         let span = tracing::Span::current();
-        let result = if batch.sweeps.is_empty() {
-            let mut parts = vec![(seq, batch)];
+        let result = if scanned.header.sweeps.is_empty() {
+            let mut parts = vec![(seq, scanned)];
             if let Some((stream, pending)) = ahead {
                 self.read_ahead(stream, pending, &mut parts).await;
                 span.record("shelfsync.read_ahead", parts.len() - 1);
@@ -147,7 +147,7 @@ impl Worker {
             if parts.len() > 1 {
                 span.record("messaging.batch.message_count", parts.len());
             }
-            let commands: usize = parts.iter().map(|(_, b)| b.commands.len()).sum();
+            let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
             span.record("shelfsync.command_count", commands);
             match self.apply_and_commit(&parts, &trace, relay).await {
                 Ok(Handled::Applied) => {
@@ -162,9 +162,12 @@ impl Worker {
                 other => other,
             }
         } else {
-            span.record("shelfsync.command_count", batch.commands.len());
-            span.record("shelfsync.sweep_count", batch.sweeps.len());
-            self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await
+            span.record("shelfsync.command_count", scanned.len());
+            span.record("shelfsync.sweep_count", scanned.header.sweeps.len());
+            match scanned.decode_all() {
+                Ok(batch) => self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await,
+                Err(e) => Err(HandleError::Decode(e)),
+            }
         };
         match result {
             Ok(Handled::Skipped) => {
@@ -209,17 +212,23 @@ impl Worker {
     /// applied yet as one step.
     pub(super) async fn apply_and_commit(
         &self,
-        parts: &[(u64, CommandBatch)],
+        parts: &[(u64, Scanned)],
         trace: &TraceParts,
         relay: &mut Relay,
     ) -> Result<Handled, HandleError> {
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
-        // Commands this owner can vouch for are neither loaded nor applied.
-        let splits = self.known().split(&parts.iter().map(|(_, b)| b).collect::<Vec<_>>());
+        // Commands this owner can vouch for are neither decoded, loaded nor
+        // applied; what full imports carried with them is appended all the same.
+        let messages: Vec<&Scanned> = parts.iter().map(|(_, m)| m).collect();
+        let splits = self.known().split(&messages).map_err(HandleError::Decode)?;
         let to_load = crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands));
         let mut loaded = self.store.load_keys(self.partition, to_load).await?;
-        let todo: Vec<(&(u64, CommandBatch), &crate::known::Split)> =
-            parts.iter().zip(&splits).filter(|((seq, _), _)| *seq > loaded.at.applied).collect();
+        let todo: Vec<(u64, &crate::known::Split)> = parts
+            .iter()
+            .zip(&splits)
+            .map(|((seq, _), split)| (*seq, split))
+            .filter(|(seq, _)| *seq > loaded.at.applied)
+            .collect();
         if todo.is_empty() {
             debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
             return Ok(Handled::Skipped);
@@ -232,24 +241,19 @@ impl Worker {
         // order they were applied, under the last one's sequence.
         let (mut changes, mut rejections) = (Vec::new(), Vec::new());
         let mut outcomes = Vec::with_capacity(todo.len());
-        // The touches of the commands skipped: still carried by their import.
-        let mut carried = Vec::new();
-        for ((_, batch), split) in &todo {
+        let mut carried = Appends::default();
+        for (_, split) in &todo {
+            carried.merge(&split.carried);
             let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
-            let n = split.skipped.len() as u64;
+            let n = split.skipped;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
             self.stats.known_skipped(n);
-            carried.extend(split.skipped.iter().filter_map(crate::known::Skipped::touch));
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
             rejections.extend(outcome.rejections.iter().cloned());
-            outcomes.push((batch, n_changes, outcome));
+            outcomes.push((*split, n_changes, outcome));
         }
-        let touched: Vec<crate::apply::Touch> = outcomes
-            .iter()
-            .flat_map(|(_, _, o)| o.touched.iter().cloned())
-            .chain(carried)
-            .collect();
+        carried.extend(outcomes.iter().flat_map(|(_, _, o)| &o.touched));
         let rejected: Vec<crate::apply::Key> = rejections
             .iter()
             .filter_map(|r| r.key.as_ref())
@@ -260,7 +264,7 @@ impl Worker {
         failpoint::hit("before_commit");
         let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
         let writes =
-            Writes { slots: Some(&loaded.slots), touched: &touched, outbox: &outbox, sweeps: &[] };
+            Writes { slots: Some(&loaded.slots), touched: &carried, outbox: &outbox, sweeps: &[] };
         // A place that had no record at the load has none but what this
         // commit writes: its census is complete without a scan. Noted before
         // the commit, which adds what it wrote (or, failed, forgets it all).
@@ -272,14 +276,14 @@ impl Worker {
             Commit::Fenced => return Err(HandleError::Fenced),
         }
         let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
-        self.known().committed(&loaded.slots, applied, &rejected, &limits);
+        self.known().committed(&loaded.slots, applied, &rejected);
         self.wait_replicas().await?;
         self.note_changed(&loaded.slots);
-        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(p, _)| *p)));
-        let ahead = todo.iter().filter(|((seq, _), _)| *seq != parts[0].0).count();
+        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
+        let ahead = todo.iter().filter(|(seq, _)| *seq != parts[0].0).count();
         self.stats.committed(todo.len() as u64, ahead as u64);
-        for (batch, n_changes, o) in outcomes {
-            self.stats.applied(batch, n_changes, &o);
+        for (split, n_changes, o) in outcomes {
+            self.stats.applied(split, n_changes, &o);
         }
         Ok(Handled::Applied)
     }
@@ -363,15 +367,23 @@ fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
     shelfsync_telemetry::parts(&cx)
 }
 
-/// When the oldest command of `batches` was published, microseconds since
+/// When the oldest command of `splits` was published, microseconds since
 /// the epoch (0: none says).
-fn oldest_published<'a>(
-    batches: impl IntoIterator<Item = &'a (u64, shelfsync_proto::CommandBatch)>,
-) -> i64 {
-    batches
+fn oldest_published<'a>(splits: impl IntoIterator<Item = &'a crate::known::Split>) -> i64 {
+    splits
         .into_iter()
-        .flat_map(|(_, b)| b.commands.iter().filter_map(move |c| b.origin_of(c)))
-        .map(|o| o.published_at)
+        .flat_map(|s| {
+            let b = &s.rest;
+            let inherited = (s.skipped as usize > s.skipped_published.len())
+                .then(|| b.origin.as_ref().map(|o| o.published_at))
+                .flatten();
+            b.commands
+                .iter()
+                .filter_map(move |c| b.origin_of(c))
+                .map(|o| o.published_at)
+                .chain(s.skipped_published.iter().copied())
+                .chain(inherited)
+        })
         .filter(|&t| t > 0)
         .min()
         .unwrap_or(0)

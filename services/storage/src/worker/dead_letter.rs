@@ -7,8 +7,9 @@ use shelfsync_service::Drain;
 use tracing::error;
 
 use super::{HandleError, Handled, Worker};
-use crate::outbox::TraceParts;
+use crate::apply::touched_set::Appends;
 use crate::outbox::Relay;
+use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, Writes};
 
 /// Raw bytes kept in a dead-letter rejection.
@@ -47,7 +48,7 @@ impl Worker {
             vec![rejection],
         );
         let fence = Fence { at, stream: self.stream_identity() };
-        let writes = Writes { slots: None, touched: &[], outbox: &outbox, sweeps: &[] };
+        let writes = Writes { slots: None, touched: Appends::none(), outbox: &outbox, sweeps: &[] };
         match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
                 self.stats.dead_lettered(why);

@@ -61,8 +61,8 @@ use crate::config::Config;
 use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::Known;
 use crate::metrics::Stats;
-use crate::readiness::Readiness;
 use crate::outbox::Relay;
+use crate::readiness::Readiness;
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod ahead;
@@ -142,6 +142,10 @@ pub(crate) enum HandleError {
     StepOfAnother { seq: u64, step: String },
     #[error("stopping between two steps of a message (the next owner resumes it)")]
     Stopping,
+    /// A command the walk of its message located does not decode (the walk
+    /// accepts only what prost decodes: not expected).
+    #[error("cannot decode a command: {0}")]
+    Decode(prost::DecodeError),
 }
 
 impl HandleError {
@@ -152,6 +156,7 @@ impl HandleError {
             | HandleError::Fenced
             | HandleError::StepOfAnother { .. }
             | HandleError::Stopping => true,
+            HandleError::Decode(_) => false,
         }
     }
 }

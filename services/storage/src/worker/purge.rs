@@ -11,8 +11,9 @@ use tracing::{debug, info, warn};
 
 use super::{HandleError, Worker};
 use crate::apply::apply_batch;
-use crate::outbox::TraceParts;
+use crate::apply::touched_set::Appends;
 use crate::outbox::Relay;
+use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Writes};
 
 /// Absent records purged per round.
@@ -101,8 +102,12 @@ impl Worker {
             outcome.changes.clone(),
             Vec::new(),
         );
-        let writes =
-            Writes { slots: Some(&loaded.slots), touched: &[], outbox: &outbox, sweeps: &[] };
+        let writes = Writes {
+            slots: Some(&loaded.slots),
+            touched: Appends::none(),
+            outbox: &outbox,
+            sweeps: &[],
+        };
         match self.commit(fence, &fence.at, &writes).await? {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),

@@ -24,6 +24,7 @@ use tracing::{debug, warn};
 
 use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
+use crate::apply::touched_set::Appends;
 use crate::apply::{apply_batch, reason};
 use crate::outbox::Relay;
 use crate::outbox::TraceParts;
@@ -158,14 +159,14 @@ impl Worker {
             step.part = next_part;
             let writes = Writes {
                 slots: Some(&loaded.slots),
-                touched: &outcome.touched,
+                touched: &outcome.touched.iter().collect(),
                 outbox: &outbox,
                 sweeps: &[],
             };
             self.commit_step(&mut fence, &step, batch.sweeps.is_empty(), &writes, relay, shutdown)
                 .await?;
             self.note_changed(&loaded.slots);
-            self.stats.applied(&commands, outcome.changes.len() as u64, &outcome);
+            self.stats.applied_batch(&commands, outcome.changes.len() as u64, &outcome);
         }
         step.commands_done = true;
         while step.sweep < batch.sweeps.len() {
@@ -231,7 +232,7 @@ impl Worker {
                         step.part = next_part;
                         let writes = Writes {
                             slots: Some(&slots),
-                            touched: &[],
+                            touched: Appends::none(),
                             outbox: &outbox,
                             sweeps: &[],
                         };
