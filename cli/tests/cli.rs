@@ -933,7 +933,7 @@ async fn outbox_dead_letters_are_shown_and_redriven() -> anyhow::Result<()> {
     let entry = shelfsync_proto::OutboxEntry {
         subject: Subjects::new(&env.prefix).changes(7, 42),
         msg_id: "chg:1:77:0".into(),
-        payload: created(&key, 77).encode_to_vec(),
+        payload: created(&key, 77).encode_to_vec().into(),
         msg_type: msg_type::CHANGE_BATCH.into(),
         ..Default::default()
     };

@@ -618,7 +618,7 @@ fn outbox_entries(seq: u64) -> Vec<OutboxEntry> {
         .map(|part| OutboxEntry {
             subject: "x".into(),
             msg_id: format!("chg:0:{seq}:{part}"),
-            payload: vec![1, 2, 3],
+            payload: vec![1, 2, 3].into(),
             msg_type: msg_type::CHANGE_BATCH.into(),
             ..Default::default()
         })

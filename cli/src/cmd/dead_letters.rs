@@ -232,7 +232,7 @@ async fn show_entry(ctx: &Context, msg_id: &str) -> anyhow::Result<()> {
         .into());
     };
     let payload = match e.msg_type.as_str() {
-        msg_type::CHANGE_BATCH => match ChangeBatch::decode(e.payload.as_slice()) {
+        msg_type::CHANGE_BATCH => match ChangeBatch::decode(&e.payload[..]) {
             Ok(b) => json!({
                 "partition": b.partition,
                 "command_seq": b.command_seq,
@@ -242,7 +242,7 @@ async fn show_entry(ctx: &Context, msg_id: &str) -> anyhow::Result<()> {
             }),
             Err(err) => json!({ "error": format!("undecodable ChangeBatch: {err}") }),
         },
-        msg_type::REJECTION_BATCH => match RejectionBatch::decode(e.payload.as_slice()) {
+        msg_type::REJECTION_BATCH => match RejectionBatch::decode(&e.payload[..]) {
             Ok(b) => json!({
                 "rejections": b.rejections.iter().map(wire_json::rejection_to_json).collect::<Vec<_>>(),
             }),

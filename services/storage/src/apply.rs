@@ -340,8 +340,8 @@ fn touch_of(cmd: &Command) -> Option<Touch> {
     })
 }
 
-fn validate(cmd: &Command, limits: &Limits) -> Result<RecordKey, Box<Rejection>> {
-    let Some(key) = cmd.key.clone() else {
+fn validate<'c>(cmd: &'c Command, limits: &Limits) -> Result<&'c RecordKey, Box<Rejection>> {
+    let Some(key) = cmd.key.as_ref() else {
         return Err(reject(cmd, reason::MALFORMED, "command without a key".into()));
     };
     if key.product_id.is_empty() || key.product_id.len() > 512 {
@@ -406,24 +406,34 @@ fn apply_command(
             format!("expected updated_at {expected}, record is at {current_updated}"),
         ));
     }
-
-    let before = slot.record.clone();
+    let before = slot.record.as_ref();
     let before_generation = slot.generation;
+    let was_deleted = before.is_some_and(|b| b.deleted);
     // A deleted record is gone: a later write starts from nothing.
-    let live = before.as_ref().filter(|r| !r.deleted);
+    let live = before.filter(|r| !r.deleted);
     let base_data = live.map_or(&[][..], |r| &r.data[..]);
     let base_state = live.map_or(&[][..], |r| &r.state[..]);
     let malformed = |what: &str, e: shelfsync_merge::MergeError| {
         reject(cmd, reason::MALFORMED, format!("{what}: {e}"))
     };
-    let was_deleted = before.as_ref().is_some_and(|b| b.deleted);
     // A record written after its deletion starts afresh, exactly as it would
     // once the tombstone is purged: not absent, no generation.
     let recreate = was_deleted && kind != CommandKind::Delete;
     let mut generation = if recreate { 0 } else { slot.generation };
-    let mut next = match &before {
+    // The record's flags and times; its data and state come from the command.
+    let mut next = match before {
         Some(b) if recreate => Record { updated_at: b.updated_at, ..Default::default() },
-        _ => before.clone().unwrap_or_default(),
+        Some(b) => Record {
+            key: None,
+            data: Vec::new(),
+            state: Vec::new(),
+            generation: b.generation,
+            absent: b.absent,
+            deleted: b.deleted,
+            created_at: b.created_at,
+            updated_at: b.updated_at,
+        },
+        None => Record::default(),
     };
     match kind {
         CommandKind::Save => {
@@ -441,10 +451,11 @@ fn apply_command(
             next.deleted = false;
         }
         CommandKind::Delete => {
-            if before.is_none() {
+            let Some(b) = before else {
                 // Deleting what never existed changes nothing.
                 return Ok(None);
-            }
+            };
+            (next.data, next.state) = (b.data.clone(), b.state.clone());
             next.deleted = true;
         }
         CommandKind::Unspecified => unreachable!("rejected above"),
@@ -464,8 +475,12 @@ fn apply_command(
     if cmd.generation > 0 && kind != CommandKind::Delete {
         next.absent = false;
     }
-    let observable = |r: &Record| (r.data.clone(), r.state.clone(), r.absent, r.deleted);
-    let changed = before.as_ref().is_none_or(|b| observable(b) != observable(&next));
+    let changed = before.is_none_or(|b| {
+        b.data != next.data
+            || b.state != next.state
+            || b.absent != next.absent
+            || b.deleted != next.deleted
+    });
     if !changed {
         return Ok(None);
     }
@@ -473,6 +488,7 @@ fn apply_command(
     if cmd.generation > 0 && kind != CommandKind::Delete {
         generation = cmd.generation;
     }
+    let before = slot.record.take();
     slot.generation = generation;
     next.updated_at = bump(current_updated, limits.now_us);
     if before.is_none() || was_deleted {
@@ -495,12 +511,13 @@ fn apply_command(
     if was_absent != absent_live(&next) {
         slot.absent_index = Some(absent_live(&next));
     }
-    slot.record = Some(next.clone());
     slot.record_dirty = true;
     slot.gen_dirty = true; // the generation is stored with the record
     // Re-creating a deleted record is a CREATED change: no `before`.
-    let before = before.as_ref().filter(|_| !was_deleted).map(|r| (r, before_generation));
-    Ok(Some(change(&key, before, &next, kind, slot.generation, cmd.origin.clone())))
+    let before = before.filter(|_| !was_deleted).map(|r| (r, before_generation));
+    let change = change(key, before, &next, kind, slot.generation, cmd.origin.clone());
+    slot.record = Some(next);
+    Ok(Some(change))
 }
 
 /// A sweep of a whole place at once: census, decision, marks. Storage
@@ -584,24 +601,27 @@ fn with_key(r: &Record, key: &RecordKey, generation: i64) -> Record {
     Record { key: Some(key.clone()), generation, ..r.clone() }
 }
 
+/// The change from `before` (the record as it was, with its generation;
+/// moved into the change) to `after`.
 pub(crate) fn change(
     key: &RecordKey,
-    before: Option<(&Record, i64)>,
+    before: Option<(Record, i64)>,
     after: &Record,
     kind: ChangeKind,
     generation: i64,
     origin: Option<Origin>,
 ) -> Change {
-    let empty = Record::default();
-    let b = before.map_or(&empty, |(r, _)| r);
+    let empty: &[u8] = &[];
+    let (b_data, b_state) =
+        before.as_ref().map_or((empty, empty), |(r, _)| (&r.data[..], &r.state[..]));
     // Both sides are canonical (merge output), so an error means stored
     // garbage; the field lists are then left empty (a hint only: before and
     // after stay exact).
-    let changed_data = shelfsync_merge::changed_fields(&b.data, &after.data).unwrap_or_default();
-    let changed_state = shelfsync_merge::changed_fields(&b.state, &after.state).unwrap_or_default();
+    let changed_data = shelfsync_merge::changed_fields(b_data, &after.data).unwrap_or_default();
+    let changed_state = shelfsync_merge::changed_fields(b_state, &after.state).unwrap_or_default();
     Change {
         key: Some(key.clone()),
-        before: before.map(|(r, g)| with_key(r, key, g)),
+        before: before.map(|(r, g)| Record { key: Some(key.clone()), generation: g, ..r }),
         after: Some(with_key(after, key, generation)),
         kind: kind as i32,
         changed_data_fields: changed_data,

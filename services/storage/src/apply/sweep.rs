@@ -83,9 +83,9 @@ pub fn decide(
     held: Option<&SweepOutcome>,
 ) -> Decision {
     if sweep.release_held {
-        let is_held = held.and_then(|h| h.sweep.as_ref()).is_some_and(|h| {
-            h.import_id == sweep.import_id && h.generation == sweep.generation
-        });
+        let is_held = held
+            .and_then(|h| h.sweep.as_ref())
+            .is_some_and(|h| h.import_id == sweep.import_id && h.generation == sweep.generation);
         return if is_held { Decision::Apply } else { Decision::Refuse(why::NOT_HELD) };
     }
     let Some(guard) = &sweep.guard else { return Decision::Apply };
@@ -116,11 +116,10 @@ pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Op
     if slot.record.is_none() || !is_candidate(&slot.gen_entry(), sweep.generation) {
         return None;
     }
-    let before = slot.record.clone()?;
+    let before = slot.record.take()?;
     let mut next = before.clone();
     next.absent = true;
     next.updated_at = bump(before.updated_at, now_us);
-    slot.record = Some(next.clone());
     slot.record_dirty = true;
     slot.gen_dirty = true;
     slot.absent_index = Some(true);
@@ -131,14 +130,16 @@ pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Op
     });
     let record_key = RecordKey::new(key.0, key.1, key.2.clone());
     let generation = slot.generation;
-    Some(change(
+    let change = change(
         &record_key,
-        Some((&before, generation)),
+        Some((before, generation)),
         &next,
         ChangeKind::Updated,
         generation,
         origin,
-    ))
+    );
+    slot.record = Some(next);
+    Some(change)
 }
 
 /// The outcome to keep for a decided sweep.
@@ -197,12 +198,18 @@ mod tests {
 
     #[test]
     fn no_accepted_item_holds_a_sweep_that_would_mark_anything() {
-        assert_eq!(decide(&guarded(0, 0.5), census(300, 300), false, None), Decision::Hold(why::NO_ITEM_ACCEPTED));
+        assert_eq!(
+            decide(&guarded(0, 0.5), census(300, 300), false, None),
+            Decision::Hold(why::NO_ITEM_ACCEPTED)
+        );
         let missing = Sweep {
             guard: Some(SweepGuard { accepted: 0, max_fraction: 0.5, missing: true }),
             ..guarded(0, 0.5)
         };
-        assert_eq!(decide(&missing, census(3, 3), false, None), Decision::Hold(why::MISSING_FROM_DUMP));
+        assert_eq!(
+            decide(&missing, census(3, 3), false, None),
+            Decision::Hold(why::MISSING_FROM_DUMP)
+        );
         // Nothing to sweep: nothing to hold either.
         assert_eq!(decide(&guarded(0, 0.5), census(0, 0), false, None), Decision::Apply);
         assert_eq!(decide(&guarded(0, 0.5), census(5, 0), false, None), Decision::Apply);
@@ -213,12 +220,16 @@ mod tests {
         let plain = Sweep { guard: None, ..guarded(0, 0.0) };
         assert_eq!(decide(&plain, census(10, 10), false, None), Decision::Apply);
 
-        let held = outcome(&guarded(0, 0.5), Decision::Hold(why::NO_ITEM_ACCEPTED), census(10, 10), 0, 5);
+        let held =
+            outcome(&guarded(0, 0.5), Decision::Hold(why::NO_ITEM_ACCEPTED), census(10, 10), 0, 5);
         let release = Sweep { guard: None, release_held: true, ..guarded(0, 0.5) };
         assert_eq!(decide(&release, census(10, 10), false, Some(&held)), Decision::Apply);
         assert_eq!(decide(&release, census(10, 10), false, None), Decision::Refuse(why::NOT_HELD));
         let other = Sweep { import_id: "i3".into(), generation: 3, ..release.clone() };
-        assert_eq!(decide(&other, census(10, 10), false, Some(&held)), Decision::Refuse(why::NOT_HELD));
+        assert_eq!(
+            decide(&other, census(10, 10), false, Some(&held)),
+            Decision::Refuse(why::NOT_HELD)
+        );
     }
 
     #[test]
@@ -234,7 +245,8 @@ mod tests {
     fn the_census_counts_live_records_and_candidates() {
         let mut c = Census::default();
         let e = |generation, absent, deleted| GenEntry { generation, absent, deleted };
-        for entry in [e(1, false, false), e(2, false, false), e(1, true, false), e(1, false, true)] {
+        for entry in [e(1, false, false), e(2, false, false), e(1, true, false), e(1, false, true)]
+        {
             c.count(&entry, 2, false);
         }
         assert_eq!(c, census(2, 1));

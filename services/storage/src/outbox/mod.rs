@@ -100,7 +100,7 @@ impl Outbox<'_> {
         OutboxEntry {
             subject,
             msg_id,
-            payload,
+            payload: payload.into(),
             msg_type: kind.into(),
             traceparent: self.trace.traceparent.clone(),
             tracestate: self.trace.tracestate.clone(),
@@ -183,12 +183,12 @@ fn reduce_rejection(mut r: Rejection) -> Rejection {
 pub(crate) fn smaller(entry: &OutboxEntry) -> Option<Vec<OutboxEntry>> {
     let piece = |suffix: usize, payload: Vec<u8>| OutboxEntry {
         msg_id: format!("{}/{suffix}", entry.msg_id),
-        payload,
+        payload: payload.into(),
         ..entry.clone()
     };
     match entry.msg_type.as_str() {
         msg_type::CHANGE_BATCH => {
-            let batch = ChangeBatch::decode(entry.payload.as_slice()).ok()?;
+            let batch = ChangeBatch::decode(&entry.payload[..]).ok()?;
             match batch.changes.len() {
                 0 => None,
                 1 => {
@@ -209,7 +209,7 @@ pub(crate) fn smaller(entry: &OutboxEntry) -> Option<Vec<OutboxEntry>> {
             }
         }
         msg_type::REJECTION_BATCH => {
-            let batch = RejectionBatch::decode(entry.payload.as_slice()).ok()?;
+            let batch = RejectionBatch::decode(&entry.payload[..]).ok()?;
             match batch.rejections.len() {
                 0 => None,
                 1 => {
@@ -302,7 +302,7 @@ mod tests {
         let ((subjects, trace), max) = (plain(), 64 * 1024);
         let o = outbox(&subjects, &trace, 0, max, (0, 0));
         let (e, _) = o.entries(1, "1", 0, vec![change("big", 40 * 1024)], vec![]);
-        let batch = ChangeBatch::decode(e[0].payload.as_slice()).expect("a change batch");
+        let batch = ChangeBatch::decode(&e[0].payload[..]).expect("a change batch");
         assert!(batch.changes[0].before_omitted);
         assert!(batch.changes[0].before.as_ref().expect("before kept").data.is_empty());
         assert_eq!(batch.changes[0].after.as_ref().expect("after").data.len(), 40 * 1024);
@@ -327,7 +327,7 @@ mod tests {
         let (e, _) = o.entries(1, "1", 0, vec![], vec![r]);
         assert_eq!(e.len(), 1);
         assert!(e[0].payload.len() < 4096, "{}", e[0].payload.len());
-        let batch = RejectionBatch::decode(e[0].payload.as_slice()).expect("rejections");
+        let batch = RejectionBatch::decode(&e[0].payload[..]).expect("rejections");
         let r = &batch.rejections[0];
         assert_eq!(r.reason, "too_large");
         assert_eq!(r.command.as_ref().and_then(|c| c.key.clone()), Some(RecordKey::new(7, 1, "x")));
@@ -343,7 +343,7 @@ mod tests {
         assert_eq!(halves.len(), 2);
         assert_eq!(halves[1].msg_id, format!("{}/1", e[0].msg_id));
         let reduced = smaller(&halves[0]).expect("reduced");
-        let one = ChangeBatch::decode(reduced[0].payload.as_slice()).expect("batch");
+        let one = ChangeBatch::decode(&reduced[0].payload[..]).expect("batch");
         assert!(one.changes[0].before_omitted);
         assert!(smaller(&reduced[0]).is_none(), "nothing smaller is left");
     }
@@ -389,7 +389,7 @@ mod tests {
         let previous = PreviousOutboxEntry {
             subject: e[0].subject.clone(),
             msg_id: e[0].msg_id.clone(),
-            payload: e[0].payload.clone(),
+            payload: e[0].payload.to_vec(),
             msg_type: e[0].msg_type.clone(),
             traceparent: e[0].traceparent.clone(),
             tracestate: String::new(),

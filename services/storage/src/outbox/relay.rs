@@ -225,13 +225,7 @@ impl Relay {
         shelfsync_telemetry::set_parent(&span, cx);
         let headers = relay_headers(&span, e);
         self.publisher
-            .publish(
-                e.subject.clone(),
-                e.msg_id.clone(),
-                &e.msg_type,
-                headers,
-                e.payload.clone().into(),
-            )
+            .publish(e.subject.clone(), e.msg_id.clone(), &e.msg_type, headers, e.payload.clone())
             .instrument(span)
             .await
     }

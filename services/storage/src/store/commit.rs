@@ -206,29 +206,45 @@ impl CommitOps {
         }
         let ki = self.key(key);
         let chunk = MAX_OP_ARGS - MAX_OP_ARGS % stride;
-        for part in args.chunks(chunk) {
+        let (total, mut args) = (args.len(), args.into_iter());
+        for start in (0..total).step_by(chunk) {
+            let n = chunk.min(total - start);
             self.args.push(op.as_bytes().to_vec());
             self.args.push(ki.to_string().into_bytes());
-            self.args.push((prefix.len() + part.len()).to_string().into_bytes());
+            self.args.push((prefix.len() + n).to_string().into_bytes());
             self.args.extend(prefix.iter().cloned());
-            self.args.extend(part.iter().cloned());
+            self.args.extend(args.by_ref().take(n));
         }
     }
 
-    /// Runs `script` with these keys and args.
+    /// Runs `script` with these keys and args: `EVALSHA`, built in one
+    /// buffer of the right size (a commit is hundreds of KB), and the
+    /// script loaded first if Redis does not have it (a restart flushes
+    /// scripts).
     pub(super) async fn invoke(
         &self,
         script: &redis::Script,
         conn: &mut RedisConn,
     ) -> Result<Value, StoreError> {
-        let mut invocation = script.prepare_invoke();
+        let count = 3 + self.keys.len() + self.args.len();
+        let bytes = self.keys.iter().map(String::len).sum::<usize>()
+            + self.args.iter().map(Vec::len).sum::<usize>()
+            + 64;
+        let mut cmd = redis::Cmd::with_capacity(count, bytes);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(self.keys.len());
         for k in &self.keys {
-            invocation.key(k);
+            cmd.arg(k);
         }
         for a in &self.args {
-            invocation.arg(a.as_slice());
+            cmd.arg(a.as_slice());
         }
-        Ok(invocation.invoke_async(conn).await?)
+        match cmd.query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                script.load_async(conn).await?;
+                Ok(cmd.query_async(conn).await?)
+            }
+            other => Ok(other?),
+        }
     }
 }
 

@@ -283,9 +283,43 @@ fn hmget_place(pipe: &mut redis::Pipeline, keys: &Keys, place: PlaceKey, ids: &[
     pipe.cmd("HMGET").arg(keys.records(place)).arg(ids);
 }
 
-/// The bytes a record is stored as: no key, its generation inside.
+/// The bytes a record is stored as: no key, its generation inside — what
+/// prost encodes for `Record { key: None, generation, ..record }`, written
+/// without copying the record first.
 fn stored_bytes(record: &Record, generation: i64) -> Vec<u8> {
-    Record { key: None, generation, ..record.clone() }.encode_to_vec()
+    use prost::encoding::{bool, bytes, int64};
+    let r = record;
+    let mut len = 0;
+    len += if r.data.is_empty() { 0 } else { bytes::encoded_len(2, &r.data) };
+    len += if r.state.is_empty() { 0 } else { bytes::encoded_len(3, &r.state) };
+    len += if generation == 0 { 0 } else { int64::encoded_len(4, &generation) };
+    len += if r.absent { bool::encoded_len(5, &r.absent) } else { 0 };
+    len += if r.deleted { bool::encoded_len(6, &r.deleted) } else { 0 };
+    len += if r.created_at == 0 { 0 } else { int64::encoded_len(7, &r.created_at) };
+    len += if r.updated_at == 0 { 0 } else { int64::encoded_len(8, &r.updated_at) };
+    let mut out = Vec::with_capacity(len);
+    if !r.data.is_empty() {
+        bytes::encode(2, &r.data, &mut out);
+    }
+    if !r.state.is_empty() {
+        bytes::encode(3, &r.state, &mut out);
+    }
+    if generation != 0 {
+        int64::encode(4, &generation, &mut out);
+    }
+    if r.absent {
+        bool::encode(5, &r.absent, &mut out);
+    }
+    if r.deleted {
+        bool::encode(6, &r.deleted, &mut out);
+    }
+    if r.created_at != 0 {
+        int64::encode(7, &r.created_at, &mut out);
+    }
+    if r.updated_at != 0 {
+        int64::encode(8, &r.updated_at, &mut out);
+    }
+    out
 }
 
 /// The generation entry of stored record bytes, read off the wire without
@@ -344,6 +378,28 @@ fn full_record(place: PlaceKey, id: impl Into<String>, slot: Slot) -> Option<Rec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// What `stored_bytes` writes is prost's encoding of the record
+        /// without its key, with its generation.
+        #[test]
+        fn stored_bytes_are_prosts_encoding(
+            data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40),
+            state in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..5),
+            generation in proptest::prelude::any::<i64>(),
+            flags in 0u8..4,
+            created_at in proptest::prelude::any::<i64>(),
+            updated_at in proptest::prop_oneof![proptest::strategy::Just(0i64), proptest::prelude::any::<i64>()],
+        ) {
+            let key = Some(RecordKey::new(7, 1, "k"));
+            let r = Record {
+                key, data, state, generation: 99, absent: flags & 1 != 0, deleted: flags & 2 != 0,
+                created_at, updated_at,
+            };
+            let prost = Record { key: None, generation, ..r.clone() }.encode_to_vec();
+            proptest::prop_assert_eq!(stored_bytes(&r, generation), prost);
+        }
+    }
 
     #[test]
     fn the_generation_entry_is_read_off_the_stored_bytes_as_decoding_would() {
