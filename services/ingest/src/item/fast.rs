@@ -15,7 +15,7 @@
 use std::borrow::Cow;
 
 use memchr::memchr;
-use prost::encoding::{encode_varint, encoded_len_varint};
+use prost::encoding::encoded_len_varint;
 use shelfsync_proto::product_field as pf;
 
 use super::{Item, ItemRules, MAX_ID_BYTES, MAX_IMAGES, MAX_STRING_BYTES};
@@ -115,8 +115,8 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
         }
         match fields[number as usize] {
             Value::Int(n) => {
-                encode_varint(u64::from(number << 3), &mut data);
-                encode_varint(n as u64, &mut data);
+                varint(&mut data, u64::from(number << 3));
+                varint(&mut data, n as u64);
             }
             Value::Str { body, escaped } => put_string(&mut data, number, body, escaped)?,
             Value::Strings { text, .. } => put_strings(&mut data, number, text)?,
@@ -132,16 +132,31 @@ fn string_wire(len: usize) -> usize {
     1 + encoded_len_varint(len as u64) + len
 }
 
+/// prost's varint (`prost::encoding::encode_varint` writes the same bytes),
+/// inlined: nearly every one here is a single byte.
+#[inline]
+fn varint(data: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        data.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    data.push(value as u8);
+}
+
 /// Writes a length-delimited field (tag, length, bytes).
+#[inline]
 fn put_bytes(data: &mut Vec<u8>, number: u32, bytes: &[u8]) {
-    encode_varint(u64::from(number << 3 | 2), data);
-    encode_varint(bytes.len() as u64, data);
+    varint(data, u64::from(number << 3 | 2));
+    varint(data, bytes.len() as u64);
     data.extend_from_slice(bytes);
 }
 
+#[inline]
 fn put_string(data: &mut Vec<u8>, number: u32, body: &str, escaped: bool) -> Option<()> {
-    let text = decode(body, escaped)?;
-    put_bytes(data, number, text.as_bytes());
+    match escaped {
+        false => put_bytes(data, number, body.as_bytes()),
+        true => put_bytes(data, number, unescape(body)?.as_bytes()),
+    }
     Some(())
 }
 
@@ -149,15 +164,19 @@ fn put_string(data: &mut Vec<u8>, number: u32, body: &str, escaped: bool) -> Opt
 /// repeated-field entry.
 fn put_strings(data: &mut Vec<u8>, number: u32, text: &str) -> Option<()> {
     let b = text.as_bytes();
-    let mut i = 0;
     // Between the strings there are only brackets, commas and whitespace.
-    while let Some(at) = memchr(b'"', b.get(i..)?) {
-        let start = i + at + 1;
-        let (end, escaped) = string(b, start)?;
-        put_string(data, number, text.get(start..end - 1)?, escaped)?;
-        i = end;
+    let mut i = 1;
+    loop {
+        match b.get(i)? {
+            b'"' => {
+                let (end, escaped) = string(b, i + 1)?;
+                put_string(data, number, text.get(i + 1..end - 1)?, escaped)?;
+                i = end;
+            }
+            b']' => return Some(()),
+            _ => i += 1,
+        }
     }
-    Some(())
 }
 
 /// The item's known keys and their values, when the whole text is one JSON
@@ -299,9 +318,11 @@ fn literal(b: &[u8], i: usize, word: &[u8]) -> Option<usize> {
 /// A string whose text starts at `i` (after its opening quote), checked as
 /// serde_json's `ignore_str` checks it: where it ends (after the closing
 /// quote) and whether it has escapes.
+#[inline(always)]
 fn string(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
     let mut escaped = false;
     loop {
+        i = plain(b, i);
         match *b.get(i)? {
             b'"' => return Some((i + 1, escaped)),
             b'\\' => {
@@ -319,6 +340,31 @@ fn string(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
             _ => i += 1,
         }
     }
+}
+
+/// The first byte from `i` on that ends a string's plain run (a quote, a
+/// backslash or a control character), eight at a time as serde_json looks
+/// for it; `b.len()` minus at most 7 when there is none in whole words.
+#[inline(always)]
+fn plain(b: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = u64::from_ne_bytes([1; 8]);
+    const HIGH: u64 = ONES << 7;
+    while let Some(&word) = b.get(i..).and_then(|rest| rest.first_chunk::<8>()) {
+        let word = u64::from_le_bytes(word);
+        // Each term sets the high bit of a byte that matches, and maybe of
+        // some after it (a borrow), never before: the lowest one is exact.
+        let control = word.wrapping_sub(ONES * 0x20) & !word;
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let quote = quote.wrapping_sub(ONES) & !quote;
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let backslash = backslash.wrapping_sub(ONES) & !backslash;
+        let found = (control | quote | backslash) & HIGH;
+        if found != 0 {
+            return i + (found.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i
 }
 
 /// Four hex digits at `i`.
@@ -450,10 +496,16 @@ fn key(b: &[u8], i: usize) -> Option<usize> {
 /// The text of a string between its quotes (already checked by [`string`]),
 /// decoded as serde_json decodes a `String`: `None` where that fails (a lone
 /// or unpaired surrogate).
+#[inline]
 fn decode(body: &str, escaped: bool) -> Option<Cow<'_, str>> {
-    if !escaped {
-        return Some(Cow::Borrowed(body));
+    match escaped {
+        false => Some(Cow::Borrowed(body)),
+        true => unescape(body).map(Cow::Owned),
     }
+}
+
+/// [`decode`] of a string with escapes.
+fn unescape(body: &str) -> Option<String> {
     let b = body.as_bytes();
     let mut out = String::with_capacity(body.len());
     let mut i = 0;
@@ -494,5 +546,5 @@ fn decode(body: &str, escaped: bool) -> Option<Cow<'_, str>> {
         });
     }
     out.push_str(body.get(i..)?);
-    Some(Cow::Owned(out))
+    Some(out)
 }
