@@ -375,29 +375,24 @@ fn hex4(b: &[u8], i: usize) -> Option<u32> {
 
 /// A JSON number at `i` in serde_json's grammar: where it ends, and its
 /// value when it is an integer that fits in i64 (what `str::parse` reads).
-fn number(b: &[u8], mut i: usize) -> Option<(usize, Option<i64>)> {
-    let negative = b.get(i) == Some(&b'-');
-    i += usize::from(negative);
-    let mut value = Some(0i64);
-    match *b.get(i)? {
-        b'0' => {
-            i += 1;
-            if b.get(i).is_some_and(u8::is_ascii_digit) {
-                return None;
-            }
-        }
-        b'1'..=b'9' => {
-            while let Some(&d) = b.get(i).filter(|d| d.is_ascii_digit()) {
-                let d = i64::from(d - b'0');
-                value = value.and_then(|v| v.checked_mul(10)).and_then(|v| match negative {
-                    true => v.checked_sub(d),
-                    false => v.checked_add(d),
-                });
-                i += 1;
-            }
-        }
-        _ => return None,
+fn number(b: &[u8], start: usize) -> Option<(usize, Option<i64>)> {
+    let negative = b.get(start) == Some(&b'-');
+    let first = start + usize::from(negative);
+    let (mut i, mut n) = (first, 0u64);
+    while let Some(&d) = b.get(i).filter(|d| d.is_ascii_digit()) {
+        n = n.wrapping_mul(10).wrapping_add(u64::from(d - b'0'));
+        i += 1;
     }
+    // At least one digit, and one leading zero at most.
+    if i == first || (b[first] == b'0' && i > first + 1) {
+        return None;
+    }
+    // Eighteen digits cannot overflow; more are read as the reference reads them.
+    let mut value = match i - first {
+        ..=18 if negative => Some(-(n as i64)),
+        ..=18 => Some(n as i64),
+        _ => std::str::from_utf8(&b[start..i]).ok()?.parse().ok(),
+    };
     if b.get(i) == Some(&b'.') {
         value = None;
         i = digits(b, i + 1)?;
