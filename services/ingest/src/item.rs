@@ -8,6 +8,7 @@
 use prost::Message;
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use shelfsync_bus::EncodedCommand;
 use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, Rejection, product_field};
 
 mod fast;
@@ -382,6 +383,53 @@ pub fn to_command(item: Item, ctx: &CommandContext) -> Command {
     }
 }
 
+/// [`to_command`] in its wire bytes, written straight from the item: what
+/// `to_command(item, ctx).encode_to_vec()` gives, without the `Command`.
+pub fn to_encoded_command(item: &Item, ctx: &CommandContext) -> EncodedCommand {
+    use prost::encoding::{
+        WireType, bytes, encode_key, encode_varint, int32, int64, string, uint32,
+    };
+    // Field numbers of `RecordKey` and `Command`. proto3 writes no zero,
+    // no empty string or bytes, no empty packed list; a message it writes
+    // even when empty.
+    let (brand_id, place_id, id) = (ctx.brand_id, item.place_id, &item.id);
+    let key_len = if brand_id != 0 { int64::encoded_len(1, &brand_id) } else { 0 }
+        + if place_id != 0 { int64::encoded_len(2, &place_id) } else { 0 }
+        + if id.is_empty() { 0 } else { string::encoded_len(3, id) };
+    let kind = CommandKind::Patch as i32;
+    let clear: &[u32] = if ctx.clear_missing { &item.missing } else { &[] };
+    let len = 1
+        + prost::encoding::encoded_len_varint(key_len as u64)
+        + key_len
+        + if kind != 0 { int32::encoded_len(2, &kind) } else { 0 }
+        + if item.data.is_empty() { 0 } else { bytes::encoded_len(3, &item.data) }
+        + uint32::encoded_len_packed(5, clear)
+        + if ctx.generation != 0 { int64::encoded_len(8, &ctx.generation) } else { 0 };
+    let mut buf = Vec::with_capacity(len);
+    encode_key(1, WireType::LengthDelimited, &mut buf);
+    encode_varint(key_len as u64, &mut buf);
+    if brand_id != 0 {
+        int64::encode(1, &brand_id, &mut buf);
+    }
+    if place_id != 0 {
+        int64::encode(2, &place_id, &mut buf);
+    }
+    if !id.is_empty() {
+        string::encode(3, id, &mut buf);
+    }
+    if kind != 0 {
+        int32::encode(2, &kind, &mut buf);
+    }
+    if !item.data.is_empty() {
+        bytes::encode(3, &item.data, &mut buf);
+    }
+    uint32::encode_packed(5, clear, &mut buf);
+    if ctx.generation != 0 {
+        int64::encode(8, &ctx.generation, &mut buf);
+    }
+    EncodedCommand { brand_id, place_id, bytes: buf }
+}
+
 /// A rejected item as published on the rejects subject; the key only when
 /// both its place and its id are known.
 pub fn to_rejection(r: Reject, ctx: &CommandContext, published_at: i64) -> Rejection {
@@ -444,6 +492,34 @@ mod tests {
         assert!(to_command(item.clone(), &context(false)).clear_data_fields.is_empty());
         assert_eq!(to_command(item, &context(true)).clear_data_fields, vec![4, 6]);
         assert_eq!(OwnedFields::from_names(&product_field::NAMES), OwnedFields::ALL);
+    }
+
+    /// The command's bytes written from the item are `to_command`'s, zeros
+    /// and empties included.
+    #[test]
+    fn an_encoded_command_is_the_command_encoded() {
+        let items = [
+            (r#"{"id":"sku-1","title":"Roses","price":0,"images":["a.jpg"]}"#, 42),
+            (r#"{"id":"a","price":-5,"stock":-1}"#, -3),
+            (r#"{"id":"a"}"#, 0),
+            (&*format!(r#"{{"id":"{}","description":"{}"}}"#, "i".repeat(200), "d".repeat(300)), 1),
+        ];
+        for (raw, place) in items {
+            for owned in [OwnedFields::ALL, OwnedFields::from_names(&["price"]), OwnedFields(0)] {
+                let item = parse_item(raw, Some(place), &rules(owned)).expect("valid");
+                for (brand_id, generation, clear_missing) in
+                    [(7, 5, true), (0, 0, false), (-1, i64::MIN, true), (i64::MAX, 1, false)]
+                {
+                    let ctx =
+                        CommandContext { brand_id, generation, clear_missing, ..context(true) };
+                    let encoded = to_encoded_command(&item, &ctx);
+                    assert_eq!((encoded.brand_id, encoded.place_id), (brand_id, place));
+                    let expected = to_command(item.clone(), &ctx).encode_to_vec();
+                    assert_eq!(encoded.bytes, expected, "{raw:.60} {ctx:?}");
+                    assert_eq!(encoded.bytes.capacity(), expected.len());
+                }
+            }
+        }
     }
 
     #[test]
