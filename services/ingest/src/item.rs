@@ -12,6 +12,7 @@ use shelfsync_bus::EncodedCommand;
 use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, Rejection, product_field};
 
 mod fast;
+mod wire;
 
 /// Longest product id accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -386,46 +387,45 @@ pub fn to_command(item: Item, ctx: &CommandContext) -> Command {
 /// [`to_command`] in its wire bytes, written straight from the item: what
 /// `to_command(item, ctx).encode_to_vec()` gives, without the `Command`.
 pub fn to_encoded_command(item: &Item, ctx: &CommandContext) -> EncodedCommand {
-    use prost::encoding::{
-        WireType, bytes, encode_key, encode_varint, int32, int64, string, uint32,
-    };
-    // Field numbers of `RecordKey` and `Command`. proto3 writes no zero,
-    // no empty string or bytes, no empty packed list; a message it writes
-    // even when empty.
-    let (brand_id, place_id, id) = (ctx.brand_id, item.place_id, &item.id);
-    let key_len = if brand_id != 0 { int64::encoded_len(1, &brand_id) } else { 0 }
-        + if place_id != 0 { int64::encoded_len(2, &place_id) } else { 0 }
-        + if id.is_empty() { 0 } else { string::encoded_len(3, id) };
-    let kind = CommandKind::Patch as i32;
+    // `RecordKey` and `Command` fields. proto3 writes no zero, no empty
+    // string or bytes, no empty packed list; a message it writes even empty.
+    let (brand_id, place_id, id) = (ctx.brand_id, item.place_id, item.id.as_bytes());
+    let key_len = if brand_id != 0 { wire::int_len(1, brand_id) } else { 0 }
+        + if place_id != 0 { wire::int_len(2, place_id) } else { 0 }
+        + if id.is_empty() { 0 } else { wire::bytes_len(3, id.len()) };
+    let kind = i64::from(CommandKind::Patch as i32);
     let clear: &[u32] = if ctx.clear_missing { &item.missing } else { &[] };
-    let len = 1
-        + prost::encoding::encoded_len_varint(key_len as u64)
-        + key_len
-        + if kind != 0 { int32::encoded_len(2, &kind) } else { 0 }
-        + if item.data.is_empty() { 0 } else { bytes::encoded_len(3, &item.data) }
-        + uint32::encoded_len_packed(5, clear)
-        + if ctx.generation != 0 { int64::encoded_len(8, &ctx.generation) } else { 0 };
+    let clear_len: usize = clear.iter().map(|&f| wire::varint_len(u64::from(f))).sum();
+    let len = wire::bytes_len(1, key_len)
+        + if kind != 0 { wire::int_len(2, kind) } else { 0 }
+        + if item.data.is_empty() { 0 } else { wire::bytes_len(3, item.data.len()) }
+        + if clear.is_empty() { 0 } else { wire::bytes_len(5, clear_len) }
+        + if ctx.generation != 0 { wire::int_len(8, ctx.generation) } else { 0 };
     let mut buf = Vec::with_capacity(len);
-    encode_key(1, WireType::LengthDelimited, &mut buf);
-    encode_varint(key_len as u64, &mut buf);
+    wire::len(&mut buf, 1, key_len);
     if brand_id != 0 {
-        int64::encode(1, &brand_id, &mut buf);
+        wire::int(&mut buf, 1, brand_id);
     }
     if place_id != 0 {
-        int64::encode(2, &place_id, &mut buf);
+        wire::int(&mut buf, 2, place_id);
     }
     if !id.is_empty() {
-        string::encode(3, id, &mut buf);
+        wire::bytes(&mut buf, 3, id);
     }
     if kind != 0 {
-        int32::encode(2, &kind, &mut buf);
+        wire::int(&mut buf, 2, kind);
     }
     if !item.data.is_empty() {
-        bytes::encode(3, &item.data, &mut buf);
+        wire::bytes(&mut buf, 3, &item.data);
     }
-    uint32::encode_packed(5, clear, &mut buf);
+    if !clear.is_empty() {
+        wire::len(&mut buf, 5, clear_len);
+        for &field in clear {
+            wire::varint(&mut buf, u64::from(field));
+        }
+    }
     if ctx.generation != 0 {
-        int64::encode(8, &ctx.generation, &mut buf);
+        wire::int(&mut buf, 8, ctx.generation);
     }
     EncodedCommand { brand_id, place_id, bytes: buf }
 }

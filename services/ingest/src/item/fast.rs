@@ -15,10 +15,9 @@
 use std::borrow::Cow;
 
 use memchr::memchr;
-use prost::encoding::encoded_len_varint;
 use shelfsync_proto::product_field as pf;
 
-use super::{Item, ItemRules, MAX_ID_BYTES, MAX_IMAGES, MAX_STRING_BYTES};
+use super::{Item, ItemRules, MAX_ID_BYTES, MAX_IMAGES, MAX_STRING_BYTES, wire};
 
 #[cfg(test)]
 mod tests;
@@ -90,9 +89,7 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
                 missing.push(number);
                 0
             }
-            (pf::PRICE | pf::OLD_PRICE | pf::STOCK, Value::Int(n)) => {
-                1 + encoded_len_varint(n as u64)
-            }
+            (pf::PRICE | pf::OLD_PRICE | pf::STOCK, Value::Int(n)) => wire::int_len(number, n),
             (pf::IMAGES, Value::Strings { count, wire, longest, .. }) => {
                 if count > MAX_IMAGES || longest > MAX_STRING_BYTES {
                     return None;
@@ -102,7 +99,7 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
             (pf::PRICE | pf::OLD_PRICE | pf::STOCK | pf::IMAGES, _) => return None,
             // Escapes only shorten a string: its text is a bound on its size.
             (_, Value::Str { body, .. }) if body.len() <= MAX_STRING_BYTES => {
-                string_wire(body.len())
+                wire::bytes_len(number, body.len())
             }
             _ => return None,
         };
@@ -114,10 +111,7 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
             continue;
         }
         match fields[number as usize] {
-            Value::Int(n) => {
-                varint(&mut data, u64::from(number << 3));
-                varint(&mut data, n as u64);
-            }
+            Value::Int(n) => wire::int(&mut data, number, n),
             Value::Str { body, escaped } => put_string(&mut data, number, body, escaped)?,
             Value::Strings { text, .. } => put_strings(&mut data, number, text)?,
             Value::Absent | Value::Other => {}
@@ -126,36 +120,11 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
     Some(Item { place_id, id: id.into_owned(), data, missing })
 }
 
-/// Most bytes a string field takes, from the length of its text between
-/// quotes (its exact size when it has no escapes).
-fn string_wire(len: usize) -> usize {
-    1 + encoded_len_varint(len as u64) + len
-}
-
-/// prost's varint (`prost::encoding::encode_varint` writes the same bytes),
-/// inlined: nearly every one here is a single byte.
-#[inline]
-fn varint(data: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        data.push(value as u8 | 0x80);
-        value >>= 7;
-    }
-    data.push(value as u8);
-}
-
-/// Writes a length-delimited field (tag, length, bytes).
-#[inline]
-fn put_bytes(data: &mut Vec<u8>, number: u32, bytes: &[u8]) {
-    varint(data, u64::from(number << 3 | 2));
-    varint(data, bytes.len() as u64);
-    data.extend_from_slice(bytes);
-}
-
 #[inline]
 fn put_string(data: &mut Vec<u8>, number: u32, body: &str, escaped: bool) -> Option<()> {
     match escaped {
-        false => put_bytes(data, number, body.as_bytes()),
-        true => put_bytes(data, number, unescape(body)?.as_bytes()),
+        false => wire::bytes(data, number, body.as_bytes()),
+        true => wire::bytes(data, number, unescape(body)?.as_bytes()),
     }
     Some(())
 }
@@ -288,7 +257,7 @@ fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
             let (end, _) = string(b, i + 1)?;
             let len = end - i - 2;
             count += 1;
-            wire += string_wire(len);
+            wire += wire::bytes_len(pf::IMAGES, len);
             longest = longest.max(len);
             i = ws(b, end);
             match b.get(i) {
