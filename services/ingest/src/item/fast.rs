@@ -43,7 +43,7 @@ enum Value<'a> {
     Int(i64),
     /// An array of strings: its text from `[` to `]`, how many, the bytes
     /// their fields take at most, and the longest text between quotes.
-    Strings { text: &'a str, count: usize, wire: usize, longest: usize },
+    Strings { text: &'a str, count: usize, size: usize, longest: usize },
     /// Any other valid value.
     Other,
 }
@@ -78,23 +78,23 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
     }
 
     // Every owned field is checked, and its bytes counted, before any is written.
-    let mut wire = 0;
+    let mut size = 0;
     let mut missing = Vec::new();
     for number in pf::TITLE..=pf::DESCRIPTION {
         if !rules.owned.contains(number) {
             continue;
         }
-        wire += match (number, fields[number as usize]) {
+        size += match (number, fields[number as usize]) {
             (_, Value::Absent) => {
                 missing.push(number);
                 0
             }
             (pf::PRICE | pf::OLD_PRICE | pf::STOCK, Value::Int(n)) => wire::int_len(number, n),
-            (pf::IMAGES, Value::Strings { count, wire, longest, .. }) => {
+            (pf::IMAGES, Value::Strings { count, size, longest, .. }) => {
                 if count > MAX_IMAGES || longest > MAX_STRING_BYTES {
                     return None;
                 }
-                wire
+                size
             }
             (pf::PRICE | pf::OLD_PRICE | pf::STOCK | pf::IMAGES, _) => return None,
             // Escapes only shorten a string: its text is a bound on its size.
@@ -105,7 +105,7 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
         };
     }
 
-    let mut data = Vec::with_capacity(wire);
+    let mut data = Vec::with_capacity(size);
     for number in pf::TITLE..=pf::DESCRIPTION {
         if !rules.owned.contains(number) {
             continue;
@@ -243,11 +243,11 @@ fn known(raw: &str, i: usize, images: bool) -> Option<(Value<'_>, usize)> {
     }
 }
 
-/// An array of strings only at `i` (`[`); `None` for anything else, valid
+/// An array of strings only at `start` (`[`); `None` for anything else, valid
 /// or not.
 fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
     let b = raw.as_bytes();
-    let (mut count, mut wire, mut longest) = (0, 0, 0);
+    let (mut count, mut size, mut longest) = (0, 0, 0);
     let mut i = ws(b, start + 1);
     if b.get(i) != Some(&b']') {
         loop {
@@ -257,7 +257,7 @@ fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
             let (end, _) = string(b, i + 1)?;
             let len = end - i - 2;
             count += 1;
-            wire += wire::bytes_len(pf::IMAGES, len);
+            size += wire::bytes_len(pf::IMAGES, len);
             longest = longest.max(len);
             i = ws(b, end);
             match b.get(i) {
@@ -268,7 +268,7 @@ fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
         }
     }
     let text = raw.get(start..i + 1)?;
-    Some((Value::Strings { text, count, wire, longest }, i + 1))
+    Some((Value::Strings { text, count, size, longest }, i + 1))
 }
 
 /// Skips JSON whitespace (serde_json's four bytes, nothing else).
