@@ -311,9 +311,9 @@ fn string(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
     }
 }
 
-/// The first byte from `i` on that ends a string's plain run (a quote, a
-/// backslash or a control character), eight at a time as serde_json looks
-/// for it; `b.len()` minus at most 7 when there is none in whole words.
+/// Skips a string's plain run from `i`, eight bytes at a time as serde_json
+/// does: stops at the first quote, backslash or control character, or where
+/// fewer than eight bytes are left (the caller reads those one by one).
 #[inline(always)]
 fn plain(b: &[u8], mut i: usize) -> usize {
     const ONES: u64 = u64::from_ne_bytes([1; 8]);
