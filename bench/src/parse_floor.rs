@@ -1,5 +1,6 @@
-//! The parse floor: ingest's parser over a dump, each item into the feed's fields and nothing
-//! else (no command, no batch, no publish). What parsing alone costs, next to shelfsync's end
+//! The parse floor: ingest's parser over a dump, each item into the feed's fields (the owned ones
+//! as the PATCH carries them, `Product` wire bytes) and nothing else (no command, no batch, no
+//! publish). What parsing alone costs, next to shelfsync's end
 //! to end import and the PostgreSQL peer, whose input is parsed before its clock starts.
 
 use std::path::Path;

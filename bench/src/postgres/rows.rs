@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use shelfsync_ingest::feed::{FeedEvent, parse_feed};
+use shelfsync_ingest::feed::{FeedEvent, Stopped, parse_feed};
 use shelfsync_settings::FeedFormat;
 
 use crate::parse_floor::item_rules;
@@ -83,18 +83,27 @@ pub fn prepare(path: &Path, batch_rows: usize) -> anyhow::Result<Dump> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut rows = Vec::new();
     let mut rejected = 0u64;
-    parse_feed(file, FeedFormat::Auto, &item_rules(), &mut |event| {
+    let mut undecodable = None;
+    let parsed = parse_feed(file, FeedFormat::Auto, &item_rules(), &mut |event| {
         match event {
             FeedEvent::Item(item) => {
-                let payload = shelfsync_proto::json::product_to_json(&item.product).to_string();
+                // The item carries its fields encoded, as the PATCH does.
+                let product = item.product().map_err(|e| {
+                    undecodable = Some(e);
+                    Stopped
+                })?;
+                let payload = shelfsync_proto::json::product_to_json(&product).to_string();
                 rows.push((item.place_id, item.id, payload));
             }
             FeedEvent::Reject(_) => rejected += 1,
             FeedEvent::Place(_) => {}
         }
         Ok(())
-    })
-    .with_context(|| format!("parsing {}", path.display()))?;
+    });
+    if let Some(e) = undecodable {
+        return Err(e).context("an item's fields do not decode");
+    }
+    parsed.with_context(|| format!("parsing {}", path.display()))?;
     if rejected > 0 {
         bail!("{}: {rejected} items rejected by the parser", path.display());
     }

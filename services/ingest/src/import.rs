@@ -27,11 +27,12 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use prost::Message;
 use shelfsync_bus::{
-    CommandBatcher, PAYLOAD_HEADROOM, Partition, Publisher, Subjects, encoding, partition_of,
+    EncodedBatch, EncodedBatcher, EncodedCommand, PAYLOAD_HEADROOM, Partition, Publisher, Subjects,
+    encoding, partition_of,
 };
 use shelfsync_proto::{
-    Command, CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply,
-    SweepsRequest, msg_type, now_us,
+    CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply, SweepsRequest,
+    msg_type, now_us,
 };
 use shelfsync_settings::{
     Compression, ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings,
@@ -42,7 +43,7 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::feed::{FeedEvent, Stopped, parse_feed};
-use crate::item::{CommandContext, ItemRules, OwnedFields, to_command, to_rejection};
+use crate::item::{CommandContext, ItemRules, OwnedFields, to_encoded_command, to_rejection};
 use crate::lease::{Holder, Lease};
 use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
@@ -297,7 +298,7 @@ impl Importer {
             subjects: &self.subjects,
             partitions: self.settings.topology.partitions,
             publisher: Publisher::new(self.js.clone(), self.settings.nats.max_inflight),
-            batcher: CommandBatcher::new(
+            batcher: EncodedBatcher::new(
                 self.settings.topology.partitions,
                 self.settings.ingest.batch_size,
                 max_payload.saturating_sub(PAYLOAD_HEADROOM),

@@ -8,7 +8,11 @@
 use prost::Message;
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use shelfsync_bus::EncodedCommand;
 use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, Rejection, product_field};
+
+mod fast;
+mod wire;
 
 /// Longest product id accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -95,10 +99,18 @@ impl OwnedFields {
 pub struct Item {
     pub place_id: i64,
     pub id: String,
-    /// Only owned fields, only those present (a `null` is absent).
-    pub product: Product,
+    /// A `Product` of only the owned fields, only those present (a `null` is
+    /// absent), as the PATCH carries it: prost's encoding, byte for byte.
+    pub data: Vec<u8>,
     /// Owned fields the item does not carry, in field-number order.
     pub missing: Vec<u32>,
+}
+
+impl Item {
+    /// The owned fields decoded (the item carries them encoded).
+    pub fn product(&self) -> Result<Product, prost::DecodeError> {
+        Product::decode(self.data.as_slice())
+    }
 }
 
 /// What an item is checked against.
@@ -141,7 +153,20 @@ type Invalid = (Reason, String);
 
 /// Validates one raw item. `place_id` is the enclosing place (nested format);
 /// `None` means the item carries its own `place_id` and `brand_id` (NDJSON).
+///
+/// A well-formed item takes the fast path; whatever that path is not sure
+/// of, it leaves to the reference parser, which alone rejects.
 pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result<Item, Reject> {
+    match fast::parse(raw, place_id, rules) {
+        Some(item) => Ok(item),
+        None => reference(raw, place_id, rules),
+    }
+}
+
+/// The item parser written for clarity: serde_json borrows each known key's
+/// raw value, then each owned one is parsed from it. The fast path must give
+/// exactly what this gives (`item/fast/tests.rs` checks it).
+fn reference(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result<Item, Reject> {
     let reject = |(reason, detail): Invalid| Reject {
         place_id,
         ..Reject::new(reason, detail, raw.as_bytes())
@@ -173,11 +198,12 @@ pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result
             return Err(Reject { id: id.ok(), ..reject(e) });
         }
     };
-    let mut item = Item { place_id, id, product: Product::default(), missing: Vec::new() };
-    if let Err(e) = fill_product(&fields, rules.owned, &mut item) {
-        return Err(Reject { place_id: Some(place_id), id: Some(item.id), ..reject(e) });
+    let mut product = Product::default();
+    let mut missing = Vec::new();
+    if let Err(e) = fill_product(&fields, rules.owned, &mut product, &mut missing) {
+        return Err(Reject { place_id: Some(place_id), id: Some(id), ..reject(e) });
     }
-    Ok(item)
+    Ok(Item { place_id, id, data: product.encode_to_vec(), missing })
 }
 
 fn own_id(fields: &RawFields) -> Result<String, Invalid> {
@@ -230,17 +256,21 @@ impl<'a> RawFields<'a> {
     }
 }
 
-fn fill_product(f: &RawFields, owned: OwnedFields, item: &mut Item) -> Result<(), Invalid> {
+fn fill_product(
+    f: &RawFields,
+    owned: OwnedFields,
+    p: &mut Product,
+    missing: &mut Vec<u32>,
+) -> Result<(), Invalid> {
     use product_field as pf;
     for (number, name) in (1..).zip(product_field::NAMES) {
         if !owned.contains(number) {
             continue;
         }
         let Some(raw) = f.product_field(number) else {
-            item.missing.push(number);
+            missing.push(number);
             continue;
         };
-        let p = &mut item.product;
         match number {
             pf::TITLE => p.title = Some(string(name, raw)?),
             pf::CATEGORY => p.category = Some(string(name, raw)?),
@@ -347,11 +377,57 @@ pub fn to_command(item: Item, ctx: &CommandContext) -> Command {
     Command {
         key: Some(RecordKey::new(ctx.brand_id, item.place_id, item.id)),
         kind: CommandKind::Patch as i32,
-        data: item.product.encode_to_vec(),
+        data: item.data,
         clear_data_fields: if ctx.clear_missing { item.missing } else { Vec::new() },
         generation: ctx.generation,
         ..Default::default()
     }
+}
+
+/// [`to_command`] in its wire bytes, written straight from the item: what
+/// `to_command(item, ctx).encode_to_vec()` gives, without the `Command`.
+pub fn to_encoded_command(item: &Item, ctx: &CommandContext) -> EncodedCommand {
+    // `RecordKey` and `Command` fields. proto3 writes no zero, no empty
+    // string or bytes, no empty packed list; a message it writes even empty.
+    let (brand_id, place_id, id) = (ctx.brand_id, item.place_id, item.id.as_bytes());
+    let key_len = if brand_id != 0 { wire::int_len(1, brand_id) } else { 0 }
+        + if place_id != 0 { wire::int_len(2, place_id) } else { 0 }
+        + if id.is_empty() { 0 } else { wire::bytes_len(3, id.len()) };
+    let kind = i64::from(CommandKind::Patch as i32);
+    let clear: &[u32] = if ctx.clear_missing { &item.missing } else { &[] };
+    let clear_len: usize = clear.iter().map(|&f| wire::varint_len(u64::from(f))).sum();
+    let len = wire::bytes_len(1, key_len)
+        + if kind != 0 { wire::int_len(2, kind) } else { 0 }
+        + if item.data.is_empty() { 0 } else { wire::bytes_len(3, item.data.len()) }
+        + if clear.is_empty() { 0 } else { wire::bytes_len(5, clear_len) }
+        + if ctx.generation != 0 { wire::int_len(8, ctx.generation) } else { 0 };
+    let mut buf = Vec::with_capacity(len);
+    wire::len(&mut buf, 1, key_len);
+    if brand_id != 0 {
+        wire::int(&mut buf, 1, brand_id);
+    }
+    if place_id != 0 {
+        wire::int(&mut buf, 2, place_id);
+    }
+    if !id.is_empty() {
+        wire::bytes(&mut buf, 3, id);
+    }
+    if kind != 0 {
+        wire::int(&mut buf, 2, kind);
+    }
+    if !item.data.is_empty() {
+        wire::bytes(&mut buf, 3, &item.data);
+    }
+    if !clear.is_empty() {
+        wire::len(&mut buf, 5, clear_len);
+        for &field in clear {
+            wire::varint(&mut buf, u64::from(field));
+        }
+    }
+    if ctx.generation != 0 {
+        wire::int(&mut buf, 8, ctx.generation);
+    }
+    EncodedCommand { brand_id, place_id, bytes: buf }
 }
 
 /// A rejected item as published on the rejects subject; the key only when
@@ -402,7 +478,7 @@ mod tests {
         // Business rules are the validator's business: these land.
         let odd =
             parse_item(r#"{"id":"a","price":-5,"stock":-1}"#, Some(1), &rules(OwnedFields::ALL));
-        assert_eq!(odd.expect("lands").product.stock, Some(-1));
+        assert_eq!(odd.expect("lands").product().expect("decodes").stock, Some(-1));
     }
 
     #[test]
@@ -411,11 +487,39 @@ mod tests {
         // `title` is not owned: ignored even though it has the wrong type.
         let raw = r#"{"id":"a","price":100,"title":42,"currency":"RUB","stock":null}"#;
         let item = parse_item(raw, Some(1), &rules(owned)).expect("valid");
-        assert_eq!(item.product, Product { price: Some(100), ..Default::default() });
+        assert_eq!(item.product(), Ok(Product { price: Some(100), ..Default::default() }));
         assert_eq!(item.missing, vec![product_field::OLD_PRICE, product_field::STOCK]);
         assert!(to_command(item.clone(), &context(false)).clear_data_fields.is_empty());
         assert_eq!(to_command(item, &context(true)).clear_data_fields, vec![4, 6]);
         assert_eq!(OwnedFields::from_names(&product_field::NAMES), OwnedFields::ALL);
+    }
+
+    /// The command's bytes written from the item are `to_command`'s, zeros
+    /// and empties included.
+    #[test]
+    fn an_encoded_command_is_the_command_encoded() {
+        let items = [
+            (r#"{"id":"sku-1","title":"Roses","price":0,"images":["a.jpg"]}"#, 42),
+            (r#"{"id":"a","price":-5,"stock":-1}"#, -3),
+            (r#"{"id":"a"}"#, 0),
+            (&*format!(r#"{{"id":"{}","description":"{}"}}"#, "i".repeat(200), "d".repeat(300)), 1),
+        ];
+        for (raw, place) in items {
+            for owned in [OwnedFields::ALL, OwnedFields::from_names(&["price"]), OwnedFields(0)] {
+                let item = parse_item(raw, Some(place), &rules(owned)).expect("valid");
+                for (brand_id, generation, clear_missing) in
+                    [(7, 5, true), (0, 0, false), (-1, i64::MIN, true), (i64::MAX, 1, false)]
+                {
+                    let ctx =
+                        CommandContext { brand_id, generation, clear_missing, ..context(true) };
+                    let encoded = to_encoded_command(&item, &ctx);
+                    assert_eq!((encoded.brand_id, encoded.place_id), (brand_id, place));
+                    let expected = to_command(item.clone(), &ctx).encode_to_vec();
+                    assert_eq!(encoded.bytes, expected, "{raw:.60} {ctx:?}");
+                    assert_eq!(encoded.bytes.capacity(), expected.len());
+                }
+            }
+        }
     }
 
     #[test]

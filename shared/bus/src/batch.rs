@@ -1,10 +1,14 @@
 //! Batching as a contract: at most `max_commands` commands per message, all
 //! of one partition, and an encoded size under the server's max payload.
+//! [`CommandBatcher`] takes `Command`s; [`EncodedBatcher`] takes commands
+//! already encoded where they were made, and closes its batches exactly
+//! where the other would.
 
 use std::collections::HashMap;
 
 use prost::Message;
-use shelfsync_proto::{Command, CommandBatch};
+use prost::encoding::{WireType, encode_key, encode_varint};
+use shelfsync_proto::{Command, CommandBatch, Origin};
 
 use crate::{Partition, partition_of};
 
@@ -84,6 +88,129 @@ impl CommandBatcher {
     }
 }
 
+/// One command in its wire bytes (prost's encoding of a `Command`), with
+/// the key it is routed by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EncodedCommand {
+    pub brand_id: i64,
+    pub place_id: i64,
+    pub bytes: Vec<u8>,
+}
+
+/// A batch of encoded commands, no sweep: the bytes of its `CommandBatch`
+/// but the origin, which is added when it is sent ([`EncodedBatch::finish`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EncodedBatch {
+    bytes: Vec<u8>,
+    commands: usize,
+}
+
+/// `CommandBatch` field numbers.
+const PARTITION: u32 = 1;
+const COMMANDS: u32 = 2;
+const ORIGIN: u32 = 4;
+
+impl EncodedBatch {
+    fn new(partition: Partition) -> Self {
+        let mut bytes = Vec::new();
+        // proto3: a zero is not written.
+        if partition.0 != 0 {
+            encode_key(PARTITION, WireType::Varint, &mut bytes);
+            encode_varint(u64::from(partition.0), &mut bytes);
+        }
+        EncodedBatch { bytes, commands: 0 }
+    }
+
+    fn push(&mut self, command: &[u8]) {
+        encode_key(COMMANDS, WireType::LengthDelimited, &mut self.bytes);
+        encode_varint(command.len() as u64, &mut self.bytes);
+        self.bytes.extend_from_slice(command);
+        self.commands += 1;
+    }
+
+    /// How many commands the batch holds.
+    pub fn len(&self) -> usize {
+        self.commands
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.commands == 0
+    }
+
+    /// The batch's message: what `CommandBatch::encode_to_vec` gives for its
+    /// partition, its commands and `origin`.
+    pub fn finish(mut self, origin: Option<&Origin>) -> Vec<u8> {
+        if let Some(origin) = origin {
+            encode_key(ORIGIN, WireType::LengthDelimited, &mut self.bytes);
+            encode_varint(origin.encoded_len() as u64, &mut self.bytes);
+            origin.encode_raw(&mut self.bytes);
+        }
+        self.bytes
+    }
+}
+
+/// [`CommandBatcher`] for commands encoded once, where they are made: none
+/// is measured or encoded again here, and a batch is its message's bytes.
+pub struct EncodedBatcher {
+    partitions: u32,
+    max_commands: usize,
+    max_bytes: usize,
+    pending: HashMap<Partition, (EncodedBatch, usize)>,
+}
+
+impl EncodedBatcher {
+    /// The same limits as [`CommandBatcher::new`].
+    pub fn new(partitions: u32, max_commands: usize, max_bytes: usize) -> Self {
+        Self {
+            partitions,
+            max_commands: max_commands.clamp(1, 1000),
+            max_bytes,
+            pending: HashMap::new(),
+        }
+    }
+
+    /// Adds a command; returns the batches that became full, closed where
+    /// [`CommandBatcher::push`] closes them.
+    pub fn push(&mut self, cmd: EncodedCommand) -> Vec<(Partition, EncodedBatch)> {
+        let partition = partition_of(cmd.brand_id, cmd.place_id, self.partitions);
+        let len = framed_len(cmd.bytes.len());
+        let mut out = Vec::new();
+        let entry = self
+            .pending
+            .entry(partition)
+            .or_insert_with(|| (EncodedBatch::new(partition), batch_overhead()));
+        if !entry.0.is_empty() && entry.1 + len > self.max_bytes {
+            let full = std::mem::replace(&mut entry.0, EncodedBatch::new(partition));
+            entry.1 = batch_overhead();
+            out.push((partition, full));
+        }
+        entry.0.push(&cmd.bytes);
+        entry.1 += len;
+        if entry.0.len() >= self.max_commands {
+            let full = std::mem::replace(&mut entry.0, EncodedBatch::new(partition));
+            entry.1 = batch_overhead();
+            out.push((partition, full));
+        }
+        out
+    }
+
+    /// Every non-empty pending batch, in partition order.
+    pub fn drain(&mut self) -> Vec<(Partition, EncodedBatch)> {
+        let mut out: Vec<_> = self
+            .pending
+            .drain()
+            .filter(|(_, (b, _))| !b.is_empty())
+            .map(|(p, (b, _))| (p, b))
+            .collect();
+        out.sort_by_key(|(p, _)| *p);
+        out
+    }
+
+    pub fn pending_commands(&self) -> usize {
+        self.pending.values().map(|(b, _)| b.len()).sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +253,35 @@ mod tests {
         assert_eq!(total, 1000);
         for (_, batch) in &batches {
             assert!(batch.encoded_len() <= max, "{} > {max}", batch.encoded_len());
+        }
+    }
+
+    /// Both batchers on the same commands: the same batches, and each
+    /// encoded batch is its `CommandBatch`'s bytes.
+    #[test]
+    fn encoded_batches_are_the_command_batches() {
+        for (partitions, max_commands, max_bytes) in [(4, 1000, 1 << 20), (3, 7, 600), (1, 1, 64)] {
+            let mut plain = CommandBatcher::new(partitions, max_commands, max_bytes);
+            let mut encoded = EncodedBatcher::new(partitions, max_commands, max_bytes);
+            let (mut expected, mut got) = (Vec::new(), Vec::new());
+            for i in 0..3000 {
+                let place = (i * 7 % 13) as i64 - 2;
+                let command = Command { generation: i as i64, ..cmd(place, i, i * 31 % 200) };
+                let bytes = command.encode_to_vec();
+                expected.extend(plain.push(command));
+                got.extend(encoded.push(EncodedCommand { brand_id: 7, place_id: place, bytes }));
+            }
+            expected.extend(plain.drain());
+            got.extend(encoded.drain());
+            assert_eq!(plain.pending_commands() + encoded.pending_commands(), 0);
+            assert_eq!(expected.len(), got.len());
+            let origin = Origin { source: "p".into(), import_id: "p-1".into(), published_at: 5 };
+            for (n, ((p, mut batch), (q, encoded))) in expected.into_iter().zip(got).enumerate() {
+                assert_eq!((p, batch.commands.len()), (q, encoded.len()));
+                let origin = (n % 2 == 0).then(|| origin.clone());
+                batch.origin = origin.clone();
+                assert_eq!(encoded.finish(origin.as_ref()), batch.encode_to_vec());
+            }
         }
     }
 }

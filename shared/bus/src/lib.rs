@@ -6,7 +6,8 @@
 //! - [`connect`] and [`provision`]: connection and idempotent stream set-up;
 //! - [`Publisher`]: deduplicated publishing with a bounded number of
 //!   in-flight acks, trace context injected into the headers;
-//! - [`CommandBatcher`]: batching by count (≤ 1000) and bytes (< max payload);
+//! - [`CommandBatcher`] (and [`EncodedBatcher`], for commands encoded where
+//!   they are made): batching by count (≤ 1000) and bytes (< max payload);
 //! - [`encoding`]: payloads sent compressed (`Shelfsync-Encoding: lz4`) and
 //!   read either way.
 //!
@@ -25,7 +26,7 @@ use async_nats::jetstream::{self, stream};
 use shelfsync_settings::{NatsSettings, Topology};
 use shelfsync_telemetry::chain;
 
-pub use batch::{CommandBatcher, batch_overhead};
+pub use batch::{CommandBatcher, EncodedBatch, EncodedBatcher, EncodedCommand, batch_overhead};
 pub use publish::{Failure, PublishFailed, Publisher};
 pub use subjects::{Partition, Subjects, partition_of, token};
 

@@ -4,15 +4,15 @@
 
 use super::*;
 
-/// What the parser thread sends: commands are built there, off the runtime.
+/// What the parser thread sends: commands are built there, off the runtime,
+/// already in their wire bytes (batched as they are, never encoded again).
 /// A rejection is boxed: it is rare and several times a command's size,
 /// and every event is moved twice (into its chunk, out of it). A command is
 /// not: nearly every event is one, and boxing it would add an allocation
 /// per item.
-#[allow(clippy::large_enum_variant)]
 pub(super) enum Event {
     Place(i64),
-    Command(Command),
+    Command(EncodedCommand),
     Reject(i64, Box<Rejection>),
 }
 
@@ -36,7 +36,7 @@ pub(super) struct Run<'a> {
     pub(super) subjects: &'a Subjects,
     pub(super) partitions: u32,
     pub(super) publisher: Publisher,
-    pub(super) batcher: CommandBatcher,
+    pub(super) batcher: EncodedBatcher,
     /// How command batches are encoded on the wire.
     pub(super) compression: Compression,
     /// Batches published per partition, for deterministic message ids.
@@ -74,7 +74,7 @@ impl Run<'_> {
             let mut sink = |event: FeedEvent| {
                 chunk.push(match event {
                     FeedEvent::Place(place) => Event::Place(place),
-                    FeedEvent::Item(item) => Event::Command(to_command(item, &ctx)),
+                    FeedEvent::Item(item) => Event::Command(to_encoded_command(&item, &ctx)),
                     FeedEvent::Reject(r) => Event::Reject(
                         r.place_id.unwrap_or(0),
                         Box::new(to_rejection(r, &ctx, now_us())),
@@ -140,9 +140,7 @@ impl Run<'_> {
                 }
                 Event::Command(command) => {
                     self.report.items += 1;
-                    if let Some(k) = &command.key {
-                        *self.places.entry(k.place_id).or_default() += 1;
-                    }
+                    *self.places.entry(command.place_id).or_default() += 1;
                     for (partition, batch) in self.batcher.push(command) {
                         self.publish_batch(partition, batch).await?;
                     }
@@ -168,24 +166,27 @@ impl Run<'_> {
     pub(super) async fn publish_batch(
         &mut self,
         partition: Partition,
-        mut batch: CommandBatch,
+        batch: EncodedBatch,
     ) -> Result<(), ImportError> {
-        batch.origin = self.context().origin(now_us());
+        let origin = self.context().origin(now_us());
         let seq = self.batch_seq.entry(partition).or_default();
         let msg_id = format!("{}:{partition}:{seq}", self.report.import_id);
         *seq += 1;
         self.report.batches += 1;
-        self.report.commands += batch.commands.len() as u64;
-        self.publish_cmd(partition, msg_id, batch).await
+        let commands = batch.len();
+        self.report.commands += commands as u64;
+        self.publish_cmd(partition, msg_id, batch.finish(origin.as_ref()), (commands, 0)).await
     }
 
+    /// Publishes the bytes of a `CommandBatch` of `counts` (commands, sweeps).
     pub(super) async fn publish_cmd(
         &mut self,
         partition: Partition,
         msg_id: String,
-        batch: CommandBatch,
+        batch: Vec<u8>,
+        counts: (usize, usize),
     ) -> Result<(), ImportError> {
-        let (payload, headers) = encoding::encode(self.compression, batch.encode_to_vec());
+        let (payload, headers) = encoding::encode(self.compression, batch);
         self.report.bytes_out += payload.len() as u64;
         let subject = self.subjects.cmd(partition);
         let span = shelfsync_telemetry::send_span!(
@@ -193,8 +194,8 @@ impl Run<'_> {
             self.subjects.template(&subject),
             subject,
             messaging.message.id = %msg_id,
-            shelfsync.command_count = batch.commands.len(),
-            shelfsync.sweep_count = batch.sweeps.len(),
+            shelfsync.command_count = counts.0,
+            shelfsync.sweep_count = counts.1,
         );
         let kind = msg_type::COMMAND_BATCH;
         self.publisher.publish(subject, msg_id, kind, headers, payload).instrument(span).await?;
@@ -284,7 +285,8 @@ impl Run<'_> {
                 origin: None,
             };
             let msg_id = format!("{}:sweep:{place_id}", self.report.import_id);
-            self.publish_cmd(partition, msg_id, batch).await?;
+            let counts = (batch.commands.len(), batch.sweeps.len());
+            self.publish_cmd(partition, msg_id, batch.encode_to_vec(), counts).await?;
             self.report.sweeps += 1;
         }
         self.publisher.flush().await?;
