@@ -421,6 +421,8 @@ fn apply_command(
     let recreate = was_deleted && kind != CommandKind::Delete;
     let mut generation = if recreate { 0 } else { slot.generation };
     // The record's flags and times; its data and state come from the command.
+    // The fields the command changed, when the merge found them.
+    let mut changed = None;
     let mut next = match before {
         Some(b) if recreate => Record { updated_at: b.updated_at, ..Default::default() },
         Some(b) => Record {
@@ -444,11 +446,17 @@ fn apply_command(
             next.deleted = false;
         }
         CommandKind::Patch => {
-            next.data = shelfsync_merge::merge(base_data, &cmd.data, &cmd.clear_data_fields)
-                .map_err(|e| malformed("data", e))?;
-            next.state = shelfsync_merge::merge(base_state, &cmd.state, &cmd.clear_state_fields)
-                .map_err(|e| malformed("state", e))?;
+            let (data, changed_data) =
+                shelfsync_merge::merge_changes(base_data, &cmd.data, &cmd.clear_data_fields)
+                    .map_err(|e| malformed("data", e))?;
+            let (state, changed_state) =
+                shelfsync_merge::merge_changes(base_state, &cmd.state, &cmd.clear_state_fields)
+                    .map_err(|e| malformed("state", e))?;
+            (next.data, next.state) = (data, state);
             next.deleted = false;
+            // Against the live record (a deleted one's change is a creation,
+            // compared with nothing, as the merge's base was).
+            changed = Some((changed_data, changed_state));
         }
         CommandKind::Delete => {
             let Some(b) = before else {
@@ -475,13 +483,13 @@ fn apply_command(
     if cmd.generation > 0 && kind != CommandKind::Delete {
         next.absent = false;
     }
-    let changed = before.is_none_or(|b| {
+    let observable = before.is_none_or(|b| {
         b.data != next.data
             || b.state != next.state
             || b.absent != next.absent
             || b.deleted != next.deleted
     });
-    if !changed {
+    if !observable {
         return Ok(None);
     }
     // Accepted and changed: from here on the slot moves.
@@ -515,7 +523,7 @@ fn apply_command(
     slot.gen_dirty = true; // the generation is stored with the record
     // Re-creating a deleted record is a CREATED change: no `before`.
     let before = before.filter(|_| !was_deleted).map(|r| (r, before_generation));
-    let change = change(key, before, &next, kind, slot.generation, cmd.origin.clone());
+    let change = change(key, before, &next, kind, slot.generation, cmd.origin.clone(), changed);
     slot.record = Some(next);
     Ok(Some(change))
 }
@@ -602,7 +610,8 @@ fn with_key(r: &Record, key: &RecordKey, generation: i64) -> Record {
 }
 
 /// The change from `before` (the record as it was, with its generation;
-/// moved into the change) to `after`.
+/// moved into the change) to `after`; `changed`: the data and state fields
+/// that differ, when the caller found them already.
 pub(crate) fn change(
     key: &RecordKey,
     before: Option<(Record, i64)>,
@@ -610,15 +619,20 @@ pub(crate) fn change(
     kind: ChangeKind,
     generation: i64,
     origin: Option<Origin>,
+    changed: Option<(Vec<u32>, Vec<u32>)>,
 ) -> Change {
-    let empty: &[u8] = &[];
-    let (b_data, b_state) =
-        before.as_ref().map_or((empty, empty), |(r, _)| (&r.data[..], &r.state[..]));
-    // Both sides are canonical (merge output), so an error means stored
-    // garbage; the field lists are then left empty (a hint only: before and
-    // after stay exact).
-    let changed_data = shelfsync_merge::changed_fields(b_data, &after.data).unwrap_or_default();
-    let changed_state = shelfsync_merge::changed_fields(b_state, &after.state).unwrap_or_default();
+    let (changed_data, changed_state) = changed.unwrap_or_else(|| {
+        let empty: &[u8] = &[];
+        let (b_data, b_state) =
+            before.as_ref().map_or((empty, empty), |(r, _)| (&r.data[..], &r.state[..]));
+        // Both sides are canonical (merge output), so an error means stored
+        // garbage; the field lists are then left empty (a hint only: before
+        // and after stay exact).
+        (
+            shelfsync_merge::changed_fields(b_data, &after.data).unwrap_or_default(),
+            shelfsync_merge::changed_fields(b_state, &after.state).unwrap_or_default(),
+        )
+    });
     Change {
         key: Some(key.clone()),
         before: before.map(|(r, g)| Record { key: Some(key.clone()), generation: g, ..r }),

@@ -111,6 +111,36 @@ pub fn merge(base: &[u8], patch: &[u8], clear: &[u32]) -> Result<Vec<u8>, MergeE
     Ok(out)
 }
 
+/// [`merge`], and the top-level field numbers whose entries it changed:
+/// what [`changed_fields`] of `base` and the result gives, found in the
+/// same walk instead of parsing both messages again.
+pub fn merge_changes(
+    base: &[u8],
+    patch: &[u8],
+    clear: &[u32],
+) -> Result<(Vec<u8>, Vec<u32>), MergeError> {
+    let base_entries = parse_sorted(base)?;
+    let patch_entries = parse_sorted(patch)?;
+    let mut out = Vec::with_capacity(base.len() + patch.len());
+    let mut changed = Vec::new();
+    for_each_field(&base_entries, &patch_entries, |field, from_base, from_patch| {
+        let (bytes, run) = if clear.contains(&field) {
+            (patch, &[][..])
+        } else if from_patch.is_empty() {
+            (base, from_base)
+        } else {
+            (patch, from_patch)
+        };
+        let same = from_base.len() == run.len()
+            && from_base.iter().zip(run).all(|(x, y)| x.same_as(base, y, bytes));
+        if !same {
+            changed.push(field);
+        }
+        put_entries(&mut out, bytes, run);
+    });
+    Ok((out, changed))
+}
+
 /// Top-level field numbers whose entries differ between two messages (by
 /// bytes of their entries), sorted ascending, deduplicated. Entries are
 /// compared in their canonical encoding, so a redundant tag or varint
@@ -263,6 +293,8 @@ mod tests {
         let e = canonicalize(bytes).expect_err("malformed input must be rejected");
         // Every entry point validates the same way.
         assert_eq!(merge(&[], bytes, &[]), Err(e.clone()));
+        assert_eq!(merge_changes(&[], bytes, &[]), Err(e.clone()));
+        assert_eq!(merge_changes(bytes, &[], &[]), Err(e.clone()));
         assert_eq!(changed_fields(&[], bytes), Err(e.clone()));
         assert_eq!(field_numbers(bytes), Err(e.clone()));
         e

@@ -4,7 +4,7 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use prost::Message;
-use shelfsync_merge::{canonicalize, changed_fields, field_numbers, merge};
+use shelfsync_merge::{canonicalize, changed_fields, field_numbers, merge, merge_changes};
 use shelfsync_proto::Product;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -176,6 +176,21 @@ proptest! {
         let out = merge(&encode(&b), &encode(&p), &c).expect("valid input");
         prop_assert_eq!(&out, &encode(&model_merge(&b, &p, &c)));
         prop_assert_eq!(canonicalize(&out).expect("valid output"), out);
+    }
+
+    #[test]
+    fn merge_changes_is_merge_then_changed_fields(
+        b in fields(12),
+        p in fields(6),
+        c in clears(),
+        sorted in any::<bool>(),
+    ) {
+        // A stored base is canonical; a patch may come in any order.
+        let b = if sorted { canonicalize(&encode(&b)).expect("valid") } else { encode(&b) };
+        let p = encode(&p);
+        let merged = merge(&b, &p, &c).expect("valid input");
+        let changed = changed_fields(&b, &merged).expect("valid input");
+        prop_assert_eq!(merge_changes(&b, &p, &c).expect("valid input"), (merged, changed));
     }
 
     #[test]

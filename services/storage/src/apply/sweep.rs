@@ -137,6 +137,7 @@ pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Op
         ChangeKind::Updated,
         generation,
         origin,
+        None,
     );
     slot.record = Some(next);
     Some(change)

@@ -13,11 +13,17 @@
 //!   found no records hash for it (a place with no record, such as one an
 //!   initial import creates, is known from its first commit on);
 //! - every commit that writes a record of a known place updates it: a live
-//!   record is noted with its generation, an absent or deleted one dropped
-//!   (neither is live nor a candidate, so neither counts);
+//!   record is noted with its generation, an absent or deleted one as stored
+//!   but not live (neither is live nor a candidate, so neither counts);
 //! - a commit that fails or is fenced, and every (re)bind, forgets all of
 //!   it, as for [`super::Known`]; past `capacity` records a place is
 //!   forgotten rather than kept in part.
+//!
+//! Knowing every stored record of a place also tells which are not stored:
+//! a commit does not load those from Redis ([`LivePlaces::stored`]), so an
+//! initial import reads nothing of its places. Records appear only through
+//! commits, which keep this true; a tombstone purge may remove a record
+//! kept here as stored, which only costs a load that finds nothing.
 //!
 //! Records are keyed by the same 128-bit key hash as [`super::Known`].
 
@@ -31,12 +37,30 @@ use crate::apply::{FastMap, GenEntry, Slots};
 
 #[derive(Debug)]
 pub struct LivePlaces {
-    /// Per known place: its live records' generations.
-    places: FastMap<PlaceKey, FastMap<u128, i64>>,
+    /// Per known place: its records.
+    places: FastMap<PlaceKey, Place>,
     /// Records kept, over all places.
     records: usize,
     capacity: usize,
 }
+
+/// The stored records of a known place.
+#[derive(Debug, Default)]
+struct Place {
+    /// The live ones, with their generations.
+    live: FastMap<u128, i64>,
+    /// The others (absent, or deleted and not purged yet): not live, but
+    /// stored. A purge may have removed some since; never the reverse.
+    gone: FastSet<u128>,
+}
+
+impl Place {
+    fn len(&self) -> usize {
+        self.live.len() + self.gone.len()
+    }
+}
+
+type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 impl LivePlaces {
     pub fn new(capacity: usize) -> Self {
@@ -55,15 +79,26 @@ impl LivePlaces {
         records: impl IntoIterator<Item = (u128, GenEntry)>,
     ) {
         self.forget(place);
-        let live: FastMap<u128, i64> = records
-            .into_iter()
-            .filter(|(_, e)| !e.absent && !e.deleted)
-            .map(|(k, e)| (k, e.generation))
-            .collect();
-        if self.records + live.len() <= self.capacity {
-            self.records += live.len();
-            self.places.insert(place, live);
+        let mut kept = Place::default();
+        for (k, e) in records {
+            if !e.absent && !e.deleted {
+                kept.live.insert(k, e.generation);
+            } else {
+                kept.gone.insert(k);
+            }
         }
+        if self.records + kept.len() <= self.capacity {
+            self.records += kept.len();
+            self.places.insert(place, kept);
+        }
+    }
+
+    /// Whether a record is stored, if its place is known: a record of a
+    /// known place that is not kept is not stored (its load can be skipped).
+    pub fn stored(&self, place: PlaceKey, id: &str) -> Option<bool> {
+        let kept = self.places.get(&place)?;
+        let k = key_hash(place.brand_id, place.place_id, id);
+        Some(kept.live.contains_key(&k) || kept.gone.contains(&k))
     }
 
     /// A commit wrote these slots (those not dirty were not written).
@@ -73,16 +108,25 @@ impl LivePlaces {
                 continue;
             }
             let place = PlaceKey::new(*b, *p);
-            let Some(live) = self.places.get_mut(&place) else { continue };
+            let Some(kept) = self.places.get_mut(&place) else { continue };
+            let before = kept.len();
             let k = key_hash(*b, *p, id);
             let e = slot.gen_entry();
-            if slot.record.is_some() && !e.absent && !e.deleted {
-                if live.insert(k, e.generation).is_none() {
-                    self.records += 1;
+            match &slot.record {
+                Some(_) if !e.absent && !e.deleted => {
+                    kept.live.insert(k, e.generation);
+                    kept.gone.remove(&k);
                 }
-            } else if live.remove(&k).is_some() {
-                self.records -= 1;
+                Some(_) => {
+                    kept.live.remove(&k);
+                    kept.gone.insert(k);
+                }
+                None => {
+                    kept.live.remove(&k);
+                    kept.gone.remove(&k);
+                }
             }
+            self.records = self.records + kept.len() - before;
             if self.records > self.capacity {
                 self.forget(place);
             }
@@ -97,8 +141,8 @@ impl LivePlaces {
         generation: i64,
         carried: Option<&HashSet<String>>,
     ) -> Option<Census> {
-        let live = self.places.get(&place)?;
-        let carried: HashSet<u128, foldhash::fast::RandomState> = carried
+        let live = &self.places.get(&place)?.live;
+        let carried: FastSet<u128> = carried
             .into_iter()
             .flatten()
             .map(|id| key_hash(place.brand_id, place.place_id, id))
@@ -112,8 +156,8 @@ impl LivePlaces {
     }
 
     fn forget(&mut self, place: PlaceKey) {
-        if let Some(live) = self.places.remove(&place) {
-            self.records -= live.len();
+        if let Some(kept) = self.places.remove(&place) {
+            self.records -= kept.len();
         }
     }
 }
@@ -168,7 +212,23 @@ mod tests {
         );
         live.written(&written("b", 2, false, false));
         assert_eq!(live.census(PLACE, 3, None), Some(Census { live: 2, candidates: 2 }));
-        assert_eq!(live.records, 2);
+        assert_eq!(live.records, 3, "b and c live, a deleted but stored");
+    }
+
+    #[test]
+    fn a_known_place_says_which_records_are_stored() {
+        let mut live = LivePlaces::new(10);
+        assert_eq!(live.stored(PLACE, "a"), None, "an unknown place says nothing");
+        live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, true)]);
+        assert_eq!(live.stored(PLACE, "a"), Some(true));
+        assert_eq!(live.stored(PLACE, "b"), Some(true), "absent, still stored");
+        assert_eq!(live.stored(PLACE, "c"), Some(false));
+        live.written(&written("c", 2, false, false));
+        live.written(&written("a", 2, false, true));
+        assert_eq!((live.stored(PLACE, "c"), live.stored(PLACE, "a")), (Some(true), Some(true)));
+        assert_eq!(live.census(PLACE, 3, None), Some(Census { live: 1, candidates: 1 }));
+        live.clear();
+        assert_eq!(live.stored(PLACE, "c"), None);
     }
 
     #[test]

@@ -111,13 +111,13 @@ impl Outbox<'_> {
 }
 
 /// `items` per place (keyless ones under place 0:0), in order within a place,
-/// each made to fit by `fit`.
-fn by_place<T>(
+/// each made to fit by `fit`, with its encoded length.
+fn by_place<T: Message>(
     items: Vec<T>,
     key: impl Fn(&T) -> Option<&RecordKey>,
-    fit: impl Fn(T) -> T,
-) -> BTreeMap<PlaceKey, Vec<T>> {
-    let mut out: BTreeMap<PlaceKey, Vec<T>> = BTreeMap::new();
+    fit: impl Fn(T) -> (T, usize),
+) -> BTreeMap<PlaceKey, Vec<(T, usize)>> {
+    let mut out: BTreeMap<PlaceKey, Vec<(T, usize)>> = BTreeMap::new();
     for item in items {
         let place = key(&item).map_or(PlaceKey::new(0, 0), RecordKey::place);
         out.entry(place).or_default().push(fit(item));
@@ -126,12 +126,16 @@ fn by_place<T>(
 }
 
 /// A change too large for one message loses its `before` data and state
-/// (flagged `before_omitted`); the `after` is what consumers apply.
-fn fit_change(c: Change, max_bytes: usize) -> Change {
-    if c.encoded_len() + 64 <= max_bytes {
-        return c;
+/// (flagged `before_omitted`); the `after` is what consumers apply. With
+/// the change's encoded length.
+fn fit_change(c: Change, max_bytes: usize) -> (Change, usize) {
+    let len = c.encoded_len();
+    if len + 64 <= max_bytes {
+        return (c, len);
     }
-    reduce_change(c)
+    let c = reduce_change(c);
+    let len = c.encoded_len();
+    (c, len)
 }
 
 fn reduce_change(mut c: Change) -> Change {
@@ -146,11 +150,14 @@ fn reduce_change(mut c: Change) -> Change {
 /// A rejection too large for one message keeps the command's key, kind and
 /// origin but not its data and state, and at most 1 KiB of raw input and
 /// of detail (a rejection is a report, not a copy of the input).
-fn fit_rejection(r: Rejection, max_bytes: usize) -> Rejection {
-    if r.encoded_len() + 64 <= max_bytes {
-        return r;
+fn fit_rejection(r: Rejection, max_bytes: usize) -> (Rejection, usize) {
+    let len = r.encoded_len();
+    if len + 64 <= max_bytes {
+        return (r, len);
     }
-    reduce_rejection(r)
+    let r = reduce_rejection(r);
+    let len = r.encoded_len();
+    (r, len)
 }
 
 fn reduce_rejection(mut r: Rejection) -> Rejection {
@@ -235,12 +242,12 @@ pub(crate) fn smaller(entry: &OutboxEntry) -> Option<Vec<OutboxEntry>> {
 
 /// Splits items into runs of at most 1000 whose encoded size stays under
 /// `max_bytes` (an item larger than that goes alone).
-pub(crate) fn split_by_size<T: Message>(items: Vec<T>, max_bytes: usize) -> Vec<Vec<T>> {
+pub(crate) fn split_by_size<T: Message>(items: Vec<(T, usize)>, max_bytes: usize) -> Vec<Vec<T>> {
     let mut out = Vec::new();
     let mut cur = Vec::new();
     let mut size = 16;
-    for item in items {
-        let len = item.encoded_len() + 6;
+    for (item, len) in items {
+        let len = len + 6;
         if !cur.is_empty() && (size + len > max_bytes || cur.len() >= 1000) {
             out.push(std::mem::take(&mut cur));
             size = 16;

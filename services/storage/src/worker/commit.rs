@@ -8,13 +8,14 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
+use shelfsync_proto::PlaceKey;
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, warn};
 
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
-use crate::apply::{Limits, apply_batch, reason};
+use crate::apply::{Limits, Slot, apply_batch, reason};
 use crate::failpoint;
 use crate::known::Scanned;
 use crate::outbox::Relay;
@@ -221,8 +222,15 @@ impl Worker {
         // applied; what full imports carried with them is appended all the same.
         let messages: Vec<&Scanned> = parts.iter().map(|(_, m)| m).collect();
         let splits = self.known().split(&messages).map_err(HandleError::Decode)?;
-        let to_load = crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands));
+        // Records the owner knows are not stored are not read.
+        let (to_load, not_stored): (Vec<_>, Vec<_>) = {
+            let known = self.known();
+            crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands))
+                .into_iter()
+                .partition(|(b, p, id)| known.live.stored(PlaceKey::new(*b, *p), id) != Some(false))
+        };
         let mut loaded = self.store.load_keys(self.partition, to_load).await?;
+        loaded.slots.extend(not_stored.into_iter().map(|k| (k, Slot::default())));
         let todo: Vec<(u64, &crate::known::Split)> = parts
             .iter()
             .zip(&splits)
