@@ -18,9 +18,10 @@
 //!
 //! serde_json does not read the items themselves: the reader under its
 //! buffer cuts each object of an `items` array out of what serde_json is
-//! given (`cut.rs`), scanning it only for strings and brackets, and the
-//! item parser reads it from its slice, once; errors keep serde_json's
-//! text, line and column.
+//! given (`cut.rs`). A well-formed item whole in one read is parsed as it
+//! is cut, its bytes read once; any other is cut by scanning it only for
+//! strings and brackets, and the item parser reads it from its slice.
+//! Errors keep serde_json's text, line and column.
 //!
 //! Whatever is read whole — one raw item (cut out, or read by serde_json
 //! where it is not an object), an object key, the `brand_id` and
@@ -162,7 +163,7 @@ fn parse<R: Read>(
                 fatal: None,
                 ids: HashSet::new(),
             };
-            let cut = cutting.then(|| Cut::new(parser.hard_cap()));
+            let cut = cutting.then(|| Cut::new(parser.hard_cap(), *rules));
             let intake = Intake { inner: bytes, state, scan: Some(Scan::default()), cut };
             parser.nested(BufReader::with_capacity(BUFFER_BYTES, intake))?;
         }

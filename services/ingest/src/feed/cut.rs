@@ -4,10 +4,13 @@
 //! it hands over whole (`Box<RawValue>`) is then parsed again from its
 //! slice: every item byte went through serde_json twice. [`Cut`] sits under
 //! serde_json's buffer and moves each object in an `items` array to
-//! [`Cuts`] instead, scanning it only for strings and brackets (a string's
-//! plain bytes with `memchr`); serde_json reads a placeholder where it
-//! stood, `{` + the item's newlines + `}`, and the walk takes the item's
-//! bytes from [`Cuts`] as it reaches the placeholder. Nothing else changes:
+//! [`Cuts`] instead; serde_json reads a placeholder where it stood, `{` +
+//! the item's newlines + `}`, and the walk takes the item from [`Cuts`] as
+//! it reaches the placeholder. An item whole in the read that the item
+//! parser's fast path takes is parsed right there, its bytes read once
+//! ([`Cut::whole`]); any other is cut by scanning it only for strings and
+//! brackets (a string's plain bytes with `memchr`), and parsed by the walk
+//! from its bytes. Nothing else changes:
 //! keys, values, non-object items and every byte outside `items` reach
 //! serde_json as before, and the spooled copy of a `places` that came
 //! before `brand_id` is not cut.
@@ -31,6 +34,7 @@ use std::collections::VecDeque;
 
 use super::intake::{SCAN_KEY_BYTES, TopAt};
 use super::nested::Key;
+use crate::item::{self, Item, ItemRules};
 
 /// Where a string stands in an escape. serde_json takes the four bytes
 /// after `\u` whatever they are (a quote, a newline) before it looks at
@@ -68,7 +72,7 @@ pub(super) enum End {
 }
 
 /// An item cut out of the document, waiting for the walk.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct CutItem {
     /// Its bytes in [`Cuts`], as offsets counted from the first item.
     start: u64,
@@ -81,6 +85,9 @@ pub(super) struct CutItem {
     /// Bytes after its last newline, its last byte included.
     tail: u64,
     pub(super) ended: End,
+    /// The item parsed as it was cut ([`Cut::whole`]); its `place_id` is
+    /// the walk's to set.
+    pub(super) item: Option<Item>,
 }
 
 impl CutItem {
@@ -155,6 +162,7 @@ impl Cuts {
             newlines: open.newlines,
             tail,
             ended,
+            item: None,
         });
     }
 }
@@ -185,6 +193,7 @@ struct Open {
 /// module). Counts lines and offsets of the document as it came, uncut.
 pub(super) struct Cut {
     hard_cap: u64,
+    rules: ItemRules,
     /// Bytes gone by, the current line (from 1) and the offset it starts at.
     seen: u64,
     line: u64,
@@ -206,9 +215,10 @@ pub(super) struct Cut {
 }
 
 impl Cut {
-    pub(super) fn new(hard_cap: u64) -> Cut {
+    pub(super) fn new(hard_cap: u64, rules: ItemRules) -> Cut {
         Cut {
             hard_cap,
+            rules,
             seen: 0,
             line: 1,
             line_start: 0,
@@ -256,6 +266,10 @@ impl Cut {
                 }
                 b'{' if self.depth == 4 && self.within[4] == Within::Items => {
                     // An item: its `{` stays, what follows is cut.
+                    if let Some(end) = self.whole(buf, i - 1, &mut out, cuts) {
+                        i = end;
+                        continue;
+                    }
                     self.item = Some(Open {
                         brackets: vec![b'{'],
                         in_string: false,
@@ -385,6 +399,48 @@ impl Cut {
         cuts.queue(open, tail, if closed { End::Closed } else { End::Capped });
         self.over = capped;
         (end, closed)
+    }
+
+    /// Cuts the item whose `{` is at `buf[at]` (already in `buf[..*out]`) at
+    /// once when it is all in this buffer and the item parser's fast path
+    /// takes it: it is then well-formed JSON, and its cut ends at its
+    /// closing bracket as [`Cut::cut`] would end it, with nothing to check;
+    /// parsed here, it is not scanned twice. Returns where the document goes
+    /// on; `None` leaves the item to [`Cut::cut`].
+    fn whole(
+        &mut self,
+        buf: &mut [u8],
+        at: usize,
+        out: &mut usize,
+        cuts: &mut Cuts,
+    ) -> Option<usize> {
+        let (item, len) = item::parse_leading(&buf[at..], &self.rules)?;
+        let end = at + len;
+        let bytes = &buf[at..end];
+        let start = cuts.offset();
+        cuts.bytes.extend_from_slice(bytes);
+        let (line, column) = (self.line, self.seen + at as u64 - self.line_start);
+        // Well-formed, the item has newlines only between its tokens.
+        let newlines = memchr::memchr_iter(b'\n', bytes).count();
+        if let Some(last) = memchr::memrchr(b'\n', bytes) {
+            self.line += newlines as u64;
+            self.line_start = self.seen + (at + last) as u64 + 1;
+        }
+        // The placeholder, `{` + newlines + `}`, is never longer than the item.
+        buf[*out..*out + newlines].fill(b'\n');
+        buf[*out + newlines] = b'}';
+        *out += newlines + 1;
+        cuts.queue.push_back(CutItem {
+            start,
+            end: cuts.offset(),
+            line,
+            column,
+            newlines: newlines as u64,
+            tail: self.seen + end as u64 - self.line_start,
+            ended: End::Closed,
+            item: Some(item),
+        });
+        Some(end)
     }
 
     /// A container opens outside items: what it is to the walk.

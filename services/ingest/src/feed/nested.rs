@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 use super::cut::{CutItem, End};
 use super::intake::{Intake, ReadState, Spool, spool_error};
 use super::{BUFFER_BYTES, FeedError, FeedEvent, Stopped, duplicate, id_key};
-use crate::item::{self, ItemRules, Reason, Reject, parse_item};
+use crate::item::{self, Item, ItemRules, Reason, Reject, parse_item};
 
 pub(super) struct Parser<'s> {
     pub(super) rules: ItemRules,
@@ -70,17 +70,22 @@ impl Parser<'_> {
         raw: &str,
         cut: Option<&CutItem>,
     ) -> Result<(), E> {
-        let event = match parse_item(raw, Some(place_id), &self.rules) {
-            Ok(item) if !self.ids.insert(id_key(&item.id)) => {
-                FeedEvent::Reject(duplicate(item, raw.as_bytes()))
-            }
-            Ok(item) => FeedEvent::Item(item),
+        match parse_item(raw, Some(place_id), &self.rules) {
+            Ok(item) => self.accept(item, raw.as_bytes()),
             Err(reject) => {
                 if let Some(cut) = cut {
                     self.check(cut, raw.as_bytes())?;
                 }
-                FeedEvent::Reject(reject)
+                self.emit(FeedEvent::Reject(reject))
             }
+        }
+    }
+
+    /// Hands over a valid item of the current place, unless its id came before.
+    fn accept<E: de::Error>(&mut self, item: Item, raw: &[u8]) -> Result<(), E> {
+        let event = match self.ids.insert(id_key(&item.id)) {
+            true => FeedEvent::Item(item),
+            false => FeedEvent::Reject(duplicate(item, raw)),
         };
         self.emit(event)
     }
@@ -94,7 +99,7 @@ impl Parser<'_> {
         pending: &mut Vec<Box<str>>,
     ) -> Result<(), E> {
         let state = self.state.clone();
-        let Some(cut) = state.cuts.borrow_mut().next() else {
+        let Some(mut cut) = state.cuts.borrow_mut().next() else {
             let detail = "an item was read that was not cut out (a bug in the feed parser)";
             return Err(self.fail(FeedError::Malformed(detail.into())));
         };
@@ -102,6 +107,11 @@ impl Parser<'_> {
         // reading now.
         let cuts = state.cuts.borrow();
         let bytes = cuts.bytes(&cut);
+        if let (Some(mut item), Some(place_id)) = (cut.item.take(), place_id) {
+            // Parsed as it was cut: what `nested_item` would have got.
+            item.place_id = place_id;
+            return self.accept(item, bytes);
+        }
         match (cut.ended, std::str::from_utf8(bytes), place_id) {
             (End::Closed, Ok(raw), Some(place_id)) => self.nested_item(place_id, raw, Some(&cut)),
             (End::Closed, Ok(raw), None) => {
