@@ -420,9 +420,11 @@ impl Cut {
         let start = cuts.offset();
         cuts.bytes.extend_from_slice(bytes);
         let (line, column) = (self.line, self.seen + at as u64 - self.line_start);
-        // Well-formed, the item has newlines only between its tokens.
-        let newlines = memchr::memchr_iter(b'\n', bytes).count();
+        // Well-formed, the item has newlines only between its tokens; most
+        // items have none, and one search says so.
+        let mut newlines = 0;
         if let Some(last) = memchr::memrchr(b'\n', bytes) {
+            newlines = memchr::memchr_iter(b'\n', bytes).count();
             self.line += newlines as u64;
             self.line_start = self.seen + (at + last) as u64 + 1;
         }
