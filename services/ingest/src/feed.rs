@@ -162,6 +162,7 @@ fn parse<R: Read>(
                 state: state.clone(),
                 fatal: None,
                 ids: HashSet::new(),
+                items_arrays: 0,
             };
             let cut = cutting.then(|| Cut::new(parser.hard_cap(), *rules));
             let intake = Intake { inner: bytes, state, scan: Some(Scan::default()), cut };

@@ -6,13 +6,16 @@
 //! serde_json's buffer and moves each object in an `items` array to
 //! [`Cuts`] instead; serde_json reads a placeholder where it stood, `{` +
 //! the item's newlines + `}`, and the walk takes the item from [`Cuts`] as
-//! it reaches the placeholder. An item whole in the read that the item
-//! parser's fast path takes is parsed right there, its bytes read once
-//! ([`Cut::whole`]); any other is cut by scanning it only for strings and
-//! brackets (a string's plain bytes with `memchr`), and parsed by the walk
-//! from its bytes. Nothing else changes:
-//! keys, values, non-object items and every byte outside `items` reach
-//! serde_json as before, and the spooled copy of a `places` that came
+//! it reaches the placeholder. Knowing which element of which `items` array
+//! each waiting item is ([`Slot`]), the walk reads a placeholder already
+//! there as an empty object, not as a raw value (which is copied).
+//!
+//! An item whole in the read that the item parser's fast path takes is
+//! parsed right there, its bytes read once ([`Cut::whole`]); any other is
+//! cut by scanning it only for strings and brackets (a string's plain bytes
+//! with `memchr`), and parsed by the walk from its bytes. Nothing else
+//! changes: keys, values, non-object items and every byte outside `items`
+//! reach serde_json as before, and the spooled copy of a `places` that came
 //! before `brand_id` is not cut.
 //!
 //! The feed's errors stay serde_json's own, with the same text, line and
@@ -71,9 +74,21 @@ pub(super) enum End {
     Capped,
 }
 
+/// Where an item stood: which `items` array the cutter cut in (from 1) and
+/// which element of it. The walk counts alike, so that it knows the
+/// placeholder of an item already cut before serde_json reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Slot {
+    pub(super) array: u64,
+    pub(super) index: u64,
+}
+
 /// An item cut out of the document, waiting for the walk.
 #[derive(Debug, Clone)]
 pub(super) struct CutItem {
+    /// `None` where serde_json cannot read it as an element: a value came
+    /// before it with no comma between (serde_json fails there).
+    slot: Option<Slot>,
     /// Its bytes in [`Cuts`], as offsets counted from the first item.
     start: u64,
     end: u64,
@@ -114,6 +129,12 @@ pub(super) struct Cuts {
 }
 
 impl Cuts {
+    /// Whether the item at `slot` is cut and waiting: then serde_json will
+    /// read its placeholder there.
+    pub(super) fn waiting(&self, slot: Slot) -> bool {
+        self.queue.front().is_some_and(|item| item.slot == Some(slot))
+    }
+
     /// Hands over the next item, whose placeholder serde_json just read.
     pub(super) fn next(&mut self) -> Option<CutItem> {
         let item = self.queue.pop_front()?;
@@ -155,6 +176,7 @@ impl Cuts {
     /// Queues the item cut up to here.
     fn queue(&mut self, open: Open, tail: u64, ended: End) {
         self.queue.push_back(CutItem {
+            slot: open.slot,
             start: open.start,
             end: self.offset(),
             line: open.line,
@@ -179,6 +201,7 @@ enum Within {
 
 /// The item being cut.
 struct Open {
+    slot: Option<Slot>,
     /// Open brackets, innermost last.
     brackets: Vec<u8>,
     in_string: bool,
@@ -203,6 +226,10 @@ pub(super) struct Cut {
     within: [Within; 5],
     /// Where the walk stands in the feed object or a place (depths 1 and 3).
     at: TopAt,
+    /// The last `items` array opened, the element it is at, and whether
+    /// that element has no value yet.
+    slot: Slot,
+    fresh: bool,
     in_string: bool,
     escape: Escape,
     /// The key being read (from its opening quote) and the last one read,
@@ -225,6 +252,8 @@ impl Cut {
             depth: 0,
             within: [Within::Other; 5],
             at: TopAt::Key,
+            slot: Slot::default(),
+            fresh: false,
             in_string: false,
             escape: Escape::None,
             key: None,
@@ -256,6 +285,9 @@ impl Cut {
                 self.string_byte(b);
                 continue;
             }
+            if self.depth == 4 && !matches!(b, b' ' | b'\n' | b'\t' | b'\r' | b',' | b'{') {
+                self.fresh = false;
+            }
             match b {
                 b'\n' => (self.line, self.line_start) = (self.line + 1, self.seen + i as u64),
                 b'"' => {
@@ -266,11 +298,13 @@ impl Cut {
                 }
                 b'{' if self.depth == 4 && self.within[4] == Within::Items => {
                     // An item: its `{` stays, what follows is cut.
-                    if let Some(end) = self.whole(buf, i - 1, &mut out, cuts) {
+                    let slot = std::mem::take(&mut self.fresh).then_some(self.slot);
+                    if let Some(end) = self.whole(buf, i - 1, slot, &mut out, cuts) {
                         i = end;
                         continue;
                     }
                     self.item = Some(Open {
+                        slot,
                         brackets: vec![b'{'],
                         in_string: false,
                         escape: Escape::None,
@@ -291,6 +325,9 @@ impl Cut {
                 b':' if matches!(self.depth, 1 | 3) => self.at = TopAt::Value,
                 b',' if matches!(self.depth, 1 | 3) => {
                     (self.at, self.last_key) = (TopAt::Key, None)
+                }
+                b',' if self.depth == 4 && self.within[4] == Within::Items => {
+                    (self.slot.index, self.fresh) = (self.slot.index + 1, true)
                 }
                 _ => {}
             }
@@ -411,6 +448,7 @@ impl Cut {
         &mut self,
         buf: &mut [u8],
         at: usize,
+        slot: Option<Slot>,
         out: &mut usize,
         cuts: &mut Cuts,
     ) -> Option<usize> {
@@ -433,6 +471,7 @@ impl Cut {
         buf[*out + newlines] = b'}';
         *out += newlines + 1;
         cuts.queue.push_back(CutItem {
+            slot,
             start,
             end: cuts.offset(),
             line,
@@ -466,6 +505,10 @@ impl Cut {
         }
         if matches!(within, Within::Top | Within::Place) {
             (self.at, self.last_key) = (TopAt::Key, None);
+        }
+        if within == Within::Items {
+            self.slot = Slot { array: self.slot.array + 1, index: 0 };
+            self.fresh = true;
         }
     }
 

@@ -12,7 +12,7 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use serde_json::error::Category;
 use serde_json::value::RawValue;
 
-use super::cut::{CutItem, End};
+use super::cut::{CutItem, End, Slot};
 use super::intake::{Intake, ReadState, Spool, spool_error};
 use super::{BUFFER_BYTES, FeedError, FeedEvent, Stopped, duplicate, id_key};
 use crate::item::{self, Item, ItemRules, Reason, Reject, parse_item};
@@ -25,6 +25,8 @@ pub(super) struct Parser<'s> {
     pub(super) fatal: Option<FeedError>,
     /// Hashed ids of the current place (nested format).
     pub(super) ids: HashSet<u128>,
+    /// `items` arrays walked in a document whose items are cut ([`Slot`]).
+    pub(super) items_arrays: u64,
 }
 
 impl Parser<'_> {
@@ -322,17 +324,59 @@ impl<'de> Visitor<'de> for Walk<'_, '_, '_> {
             while seq.next_element_seed(Walk(&mut *parser, Level::Place))?.is_some() {}
             return Ok(());
         };
-        while let Some(raw) = parser.capture("an item", || seq.next_element::<Box<RawValue>>())? {
-            match place_id {
-                // A placeholder: the item was cut out under serde_json.
-                _ if parser.state.cutting && raw.get().starts_with('{') => {
-                    parser.cut_item(place_id, pending)?
+        let cutting = parser.state.cutting;
+        parser.items_arrays += u64::from(cutting);
+        let mut slot = Slot { array: parser.items_arrays, index: 0 };
+        loop {
+            // The placeholder of an item already cut is read without a copy;
+            // one whose item is cut only as serde_json reads on is read raw.
+            if cutting && parser.state.cuts.borrow().waiting(slot) {
+                if parser.capture("an item", || seq.next_element_seed(Placeholder))?.is_none() {
+                    break;
                 }
-                Some(place_id) => parser.nested_item(place_id, raw.get(), None)?,
-                None => pending.push(raw.get().into()),
+                parser.cut_item(place_id, pending)?;
+            } else {
+                let raw = parser.capture("an item", || seq.next_element::<Box<RawValue>>())?;
+                let Some(raw) = raw else { break };
+                match place_id {
+                    _ if cutting && raw.get().starts_with('{') => {
+                        parser.cut_item(place_id, pending)?
+                    }
+                    Some(place_id) => parser.nested_item(place_id, raw.get(), None)?,
+                    None => pending.push(raw.get().into()),
+                }
             }
+            slot.index += 1;
         }
         Ok(())
+    }
+}
+
+/// The placeholder of an item cut out under serde_json (`{`, the item's
+/// newlines, `}`), read without the copy a `Box<RawValue>` makes. It is an
+/// empty object, read without fail as a raw value would be; were it
+/// something else (the walk and the cutter counting elements apart), the
+/// feed fails rather than an element be skipped.
+struct Placeholder;
+
+impl<'de> DeserializeSeed<'de> for Placeholder {
+    type Value = ();
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Placeholder {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("the placeholder of an item cut out")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        match map.next_key::<IgnoredAny>()? {
+            None => Ok(()),
+            Some(_) => Err(de::Error::custom("an item was not cut out (a bug in the feed parser)")),
+        }
     }
 }
 

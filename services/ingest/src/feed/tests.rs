@@ -452,19 +452,31 @@ fn an_item_of_newlines_fails_at_the_hard_cap() {
 /// parsed as it is cut; one it leaves to the reference parser, or one split
 /// across reads, is cut by scanning. (Were the first never so, the test
 /// comparing cut and uncut feeds would pass without ever taking that path.)
+/// Each is known by the element it is of its `items` array, so that the
+/// walk reads its placeholder without a copy; one that serde_json cannot
+/// read as an element (no comma before it) is of none.
 #[test]
 fn an_item_whole_in_one_read_is_parsed_as_it_is_cut() {
     let feed = "{\"brand_id\": 7, \"places\": [{\"place_id\": 1, \"items\": [{\"id\":\n\"a\"},\
-                {\"id\": \"b\", \"price\": 1.5}, {\"id\": \"c\"";
+                {\"id\": \"b\", \"price\": 1.5}, 5, [{\"x\": 1}], {\"id\": \"d\"} 6 {\"id\": \"e\"},\
+                {\"id\": \"c\"";
     let (mut cut, mut cuts) = (Cut::new(1 << 20, RULES), cut::Cuts::default());
     let mut buf = feed.as_bytes().to_vec();
     let given = cut.filter(&mut buf, &mut cuts);
     let given = String::from_utf8_lossy(&buf[..given]);
-    let placeholders = "{\"brand_id\": 7, \"places\": [{\"place_id\": 1, \"items\": [{\n},{}, {";
+    let placeholders = "{\"brand_id\": 7, \"places\": [{\"place_id\": 1, \"items\": [{\n},\
+                        {}, 5, [{\"x\": 1}], {} 6 {},{";
     assert_eq!(given, placeholders);
-    let mut parsed = Vec::new();
-    while let Some(item) = cuts.next() {
-        parsed.push(item.item.map(|item| item.id));
+    let mut elements = Vec::new();
+    for index in 0..6 {
+        if cuts.waiting(cut::Slot { array: 1, index }) {
+            let item = cuts.next().expect("waiting");
+            elements.push((index, item.item.map(|item| item.id)));
+        }
     }
-    assert_eq!(parsed, [Some("a".into()), None], "`c` is still being cut");
+    assert_eq!(elements, [(0, Some("a".into())), (1, None), (4, Some("d".into()))]);
+    assert!(!cuts.waiting(cut::Slot { array: 1, index: 4 }), "`e` is not the element `d` was");
+    let of_none = cuts.next().expect("cut").item.map(|item| item.id);
+    assert_eq!(of_none, Some("e".into()));
+    assert!(cuts.next().is_none(), "`c` is still being cut");
 }
