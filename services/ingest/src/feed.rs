@@ -161,7 +161,7 @@ fn parse<R: Read>(
                 sink,
                 state: state.clone(),
                 fatal: None,
-                ids: HashSet::new(),
+                ids: IdSet::default(),
                 items_arrays: 0,
             };
             let cut = cutting.then(|| Cut::new(parser.hard_cap(), *rules));
@@ -205,6 +205,11 @@ fn read_head(r: &mut impl Read) -> io::Result<(Vec<u8>, bool)> {
     }
     Ok((head, false))
 }
+
+/// The ids of a place handed over, as [`id_key`]s. Those are hashes
+/// already: the set hashes them again with foldhash, seeded per process,
+/// at a fraction of what SipHash costs per item.
+pub(super) type IdSet = HashSet<u128, foldhash::fast::RandomState>;
 
 /// Ids are tracked by a 128-bit hash: a quarter of the memory of the
 /// strings, and a collision is as likely as never.

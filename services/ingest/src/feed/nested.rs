@@ -2,7 +2,6 @@
 //! walked by one serde visitor that knows its level and hands over each
 //! item as soon as it is parsed.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::io::{BufReader, Read, Seek};
 use std::rc::Rc;
@@ -14,7 +13,7 @@ use serde_json::value::RawValue;
 
 use super::cut::{CutItem, End, Slot};
 use super::intake::{Intake, ReadState, Spool, spool_error};
-use super::{BUFFER_BYTES, FeedError, FeedEvent, Stopped, duplicate, id_key};
+use super::{BUFFER_BYTES, FeedError, FeedEvent, IdSet, Stopped, duplicate, id_key};
 use crate::item::{self, Item, ItemRules, Reason, Reject, parse_item};
 
 pub(super) struct Parser<'s> {
@@ -24,7 +23,7 @@ pub(super) struct Parser<'s> {
     /// The real cause when a visitor had to bail out with a serde error.
     pub(super) fatal: Option<FeedError>,
     /// Hashed ids of the current place (nested format).
-    pub(super) ids: HashSet<u128>,
+    pub(super) ids: IdSet,
     /// `items` arrays walked in a document whose items are cut ([`Slot`]).
     pub(super) items_arrays: u64,
 }
