@@ -73,7 +73,8 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
     if raw.len() > rules.max_item_bytes {
         return None;
     }
-    let (fields, end) = scan(raw.as_bytes())?;
+    let mut fields = [Value::Absent; KEYS];
+    let end = scan(raw.as_bytes(), &mut fields)?;
     if ws(raw.as_bytes(), end) != raw.len() {
         return None;
     }
@@ -90,7 +91,8 @@ pub(super) fn parse_leading(bytes: &[u8], rules: &ItemRules) -> Option<(Item, us
     if bytes.first() != Some(&b'{') {
         return None;
     }
-    let (fields, end) = scan(bytes)?;
+    let mut fields = [Value::Absent; KEYS];
+    let end = scan(bytes, &mut fields)?;
     let raw = std::str::from_utf8(&bytes[..end]).ok()?;
     Some((build(raw, &fields, Some(0), rules)?, end))
 }
@@ -195,10 +197,10 @@ fn put_strings(data: &mut Vec<u8>, number: u32, text: &str) -> Option<()> {
     }
 }
 
-/// The item's known keys and their values, when the text starts with one
-/// JSON object read without doubt (after whitespace), and where it ends.
-fn scan(b: &[u8]) -> Option<([Value; KEYS], usize)> {
-    let mut fields = [Value::Absent; KEYS];
+/// The item's known keys and their values (into `fields`, all absent to
+/// begin with: returning them would copy them), when the text starts with
+/// one JSON object read without doubt (after whitespace); where it ends.
+fn scan(b: &[u8], fields: &mut [Value; KEYS]) -> Option<usize> {
     let mut seen = 0u16;
     let mut i = ws(b, 0);
     if b.get(i) != Some(&b'{') {
@@ -247,7 +249,7 @@ fn scan(b: &[u8]) -> Option<([Value; KEYS], usize)> {
             }
         }
     }
-    Some((fields, i))
+    Some(i)
 }
 
 /// The slot of a known key.
