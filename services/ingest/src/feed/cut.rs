@@ -101,7 +101,8 @@ pub(super) struct CutItem {
     tail: u64,
     pub(super) ended: End,
     /// The item parsed as it was cut ([`Cut::whole`]); its `place_id` is
-    /// the walk's to set.
+    /// the walk's to set. Like the bytes, the items waiting are those of one
+    /// read at most.
     pub(super) item: Option<Item>,
 }
 
