@@ -18,9 +18,10 @@
 //!
 //! serde_json does not read the items themselves: the reader under its
 //! buffer cuts each object of an `items` array out of what serde_json is
-//! given (`cut.rs`), scanning it only for strings and brackets, and the
-//! item parser reads it from its slice, once; errors keep serde_json's
-//! text, line and column.
+//! given (`cut.rs`). A well-formed item whole in one read is parsed as it
+//! is cut, its bytes read once; any other is cut by scanning it only for
+//! strings and brackets, and the item parser reads it from its slice.
+//! Errors keep serde_json's text, line and column.
 //!
 //! Whatever is read whole — one raw item (cut out, or read by serde_json
 //! where it is not an object), an object key, the `brand_id` and
@@ -160,9 +161,10 @@ fn parse<R: Read>(
                 sink,
                 state: state.clone(),
                 fatal: None,
-                ids: HashSet::new(),
+                ids: IdSet::default(),
+                items_arrays: 0,
             };
-            let cut = cutting.then(|| Cut::new(parser.hard_cap()));
+            let cut = cutting.then(|| Cut::new(parser.hard_cap(), *rules));
             let intake = Intake { inner: bytes, state, scan: Some(Scan::default()), cut };
             parser.nested(BufReader::with_capacity(BUFFER_BYTES, intake))?;
         }
@@ -203,6 +205,11 @@ fn read_head(r: &mut impl Read) -> io::Result<(Vec<u8>, bool)> {
     }
     Ok((head, false))
 }
+
+/// The ids of a place handed over, as [`id_key`]s. Those are hashes
+/// already: the set hashes them again with foldhash, seeded per process,
+/// at a fraction of what SipHash costs per item.
+pub(super) type IdSet = HashSet<u128, foldhash::fast::RandomState>;
 
 /// Ids are tracked by a 128-bit hash: a quarter of the memory of the
 /// strings, and a collision is as likely as never.

@@ -163,6 +163,14 @@ pub fn parse_item(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Result
     }
 }
 
+/// The item that `bytes` start with (its `{` first), when it ends within
+/// them and the fast path takes it: what [`parse_item`] gives for its bytes
+/// in a place (`place_id` 0 here, for the caller to set), and their length.
+/// `None` says nothing about the item: [`parse_item`] decides.
+pub(crate) fn parse_leading(bytes: &[u8], rules: &ItemRules) -> Option<(Item, usize)> {
+    fast::parse_leading(bytes, rules)
+}
+
 /// The item parser written for clarity: serde_json borrows each known key's
 /// raw value, then each owned one is parsed from it. The fast path must give
 /// exactly what this gives (`item/fast/tests.rs` checks it).

@@ -4,12 +4,18 @@
 //! it hands over whole (`Box<RawValue>`) is then parsed again from its
 //! slice: every item byte went through serde_json twice. [`Cut`] sits under
 //! serde_json's buffer and moves each object in an `items` array to
-//! [`Cuts`] instead, scanning it only for strings and brackets (a string's
-//! plain bytes with `memchr`); serde_json reads a placeholder where it
-//! stood, `{` + the item's newlines + `}`, and the walk takes the item's
-//! bytes from [`Cuts`] as it reaches the placeholder. Nothing else changes:
-//! keys, values, non-object items and every byte outside `items` reach
-//! serde_json as before, and the spooled copy of a `places` that came
+//! [`Cuts`] instead; serde_json reads a placeholder where it stood, `{` +
+//! the item's newlines + `}`, and the walk takes the item from [`Cuts`] as
+//! it reaches the placeholder. Knowing which element of which `items` array
+//! each waiting item is ([`Slot`]), the walk reads a placeholder already
+//! there as an empty object, not as a raw value (which is copied).
+//!
+//! An item whole in the read that the item parser's fast path takes is
+//! parsed right there, its bytes read once ([`Cut::whole`]); any other is
+//! cut by scanning it only for strings and brackets (a string's plain bytes
+//! with `memchr`), and parsed by the walk from its bytes. Nothing else
+//! changes: keys, values, non-object items and every byte outside `items`
+//! reach serde_json as before, and the spooled copy of a `places` that came
 //! before `brand_id` is not cut.
 //!
 //! The feed's errors stay serde_json's own, with the same text, line and
@@ -31,6 +37,7 @@ use std::collections::VecDeque;
 
 use super::intake::{SCAN_KEY_BYTES, TopAt};
 use super::nested::Key;
+use crate::item::{self, Item, ItemRules};
 
 /// Where a string stands in an escape. serde_json takes the four bytes
 /// after `\u` whatever they are (a quote, a newline) before it looks at
@@ -67,9 +74,21 @@ pub(super) enum End {
     Capped,
 }
 
+/// Where an item stood: which `items` array the cutter cut in (from 1) and
+/// which element of it. The walk counts alike, so that it knows the
+/// placeholder of an item already cut before serde_json reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Slot {
+    pub(super) array: u64,
+    pub(super) index: u64,
+}
+
 /// An item cut out of the document, waiting for the walk.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct CutItem {
+    /// `None` where serde_json cannot read it as an element: a value came
+    /// before it with no comma between (serde_json fails there).
+    slot: Option<Slot>,
     /// Its bytes in [`Cuts`], as offsets counted from the first item.
     start: u64,
     end: u64,
@@ -81,6 +100,10 @@ pub(super) struct CutItem {
     /// Bytes after its last newline, its last byte included.
     tail: u64,
     pub(super) ended: End,
+    /// The item parsed as it was cut ([`Cut::whole`]); its `place_id` is
+    /// the walk's to set. Like the bytes, the items waiting are those of one
+    /// read at most.
+    pub(super) item: Option<Item>,
 }
 
 impl CutItem {
@@ -107,6 +130,12 @@ pub(super) struct Cuts {
 }
 
 impl Cuts {
+    /// Whether the item at `slot` is cut and waiting: then serde_json will
+    /// read its placeholder there.
+    pub(super) fn waiting(&self, slot: Slot) -> bool {
+        self.queue.front().is_some_and(|item| item.slot == Some(slot))
+    }
+
     /// Hands over the next item, whose placeholder serde_json just read.
     pub(super) fn next(&mut self) -> Option<CutItem> {
         let item = self.queue.pop_front()?;
@@ -148,6 +177,7 @@ impl Cuts {
     /// Queues the item cut up to here.
     fn queue(&mut self, open: Open, tail: u64, ended: End) {
         self.queue.push_back(CutItem {
+            slot: open.slot,
             start: open.start,
             end: self.offset(),
             line: open.line,
@@ -155,6 +185,7 @@ impl Cuts {
             newlines: open.newlines,
             tail,
             ended,
+            item: None,
         });
     }
 }
@@ -171,6 +202,7 @@ enum Within {
 
 /// The item being cut.
 struct Open {
+    slot: Option<Slot>,
     /// Open brackets, innermost last.
     brackets: Vec<u8>,
     in_string: bool,
@@ -185,6 +217,7 @@ struct Open {
 /// module). Counts lines and offsets of the document as it came, uncut.
 pub(super) struct Cut {
     hard_cap: u64,
+    rules: ItemRules,
     /// Bytes gone by, the current line (from 1) and the offset it starts at.
     seen: u64,
     line: u64,
@@ -194,6 +227,10 @@ pub(super) struct Cut {
     within: [Within; 5],
     /// Where the walk stands in the feed object or a place (depths 1 and 3).
     at: TopAt,
+    /// The last `items` array opened, the element it is at, and whether
+    /// that element has no value yet.
+    slot: Slot,
+    fresh: bool,
     in_string: bool,
     escape: Escape,
     /// The key being read (from its opening quote) and the last one read,
@@ -206,15 +243,18 @@ pub(super) struct Cut {
 }
 
 impl Cut {
-    pub(super) fn new(hard_cap: u64) -> Cut {
+    pub(super) fn new(hard_cap: u64, rules: ItemRules) -> Cut {
         Cut {
             hard_cap,
+            rules,
             seen: 0,
             line: 1,
             line_start: 0,
             depth: 0,
             within: [Within::Other; 5],
             at: TopAt::Key,
+            slot: Slot::default(),
+            fresh: false,
             in_string: false,
             escape: Escape::None,
             key: None,
@@ -246,6 +286,9 @@ impl Cut {
                 self.string_byte(b);
                 continue;
             }
+            if self.depth == 4 && !matches!(b, b' ' | b'\n' | b'\t' | b'\r' | b',' | b'{') {
+                self.fresh = false;
+            }
             match b {
                 b'\n' => (self.line, self.line_start) = (self.line + 1, self.seen + i as u64),
                 b'"' => {
@@ -256,7 +299,13 @@ impl Cut {
                 }
                 b'{' if self.depth == 4 && self.within[4] == Within::Items => {
                     // An item: its `{` stays, what follows is cut.
+                    let slot = std::mem::take(&mut self.fresh).then_some(self.slot);
+                    if let Some(end) = self.whole(buf, i - 1, slot, &mut out, cuts) {
+                        i = end;
+                        continue;
+                    }
                     self.item = Some(Open {
+                        slot,
                         brackets: vec![b'{'],
                         in_string: false,
                         escape: Escape::None,
@@ -277,6 +326,9 @@ impl Cut {
                 b':' if matches!(self.depth, 1 | 3) => self.at = TopAt::Value,
                 b',' if matches!(self.depth, 1 | 3) => {
                     (self.at, self.last_key) = (TopAt::Key, None)
+                }
+                b',' if self.depth == 4 && self.within[4] == Within::Items => {
+                    (self.slot.index, self.fresh) = (self.slot.index + 1, true)
                 }
                 _ => {}
             }
@@ -387,6 +439,52 @@ impl Cut {
         (end, closed)
     }
 
+    /// Cuts the item whose `{` is at `buf[at]` (already in `buf[..*out]`) at
+    /// once when it is all in this buffer and the item parser's fast path
+    /// takes it: it is then well-formed JSON, and its cut ends at its
+    /// closing bracket as [`Cut::cut`] would end it, with nothing to check;
+    /// parsed here, it is not scanned twice. Returns where the document goes
+    /// on; `None` leaves the item to [`Cut::cut`].
+    fn whole(
+        &mut self,
+        buf: &mut [u8],
+        at: usize,
+        slot: Option<Slot>,
+        out: &mut usize,
+        cuts: &mut Cuts,
+    ) -> Option<usize> {
+        let (item, len) = item::parse_leading(&buf[at..], &self.rules)?;
+        let end = at + len;
+        let bytes = &buf[at..end];
+        let start = cuts.offset();
+        cuts.bytes.extend_from_slice(bytes);
+        let (line, column) = (self.line, self.seen + at as u64 - self.line_start);
+        // Well-formed, the item has newlines only between its tokens; most
+        // items have none, and one search says so.
+        let mut newlines = 0;
+        if let Some(last) = memchr::memrchr(b'\n', bytes) {
+            newlines = memchr::memchr_iter(b'\n', bytes).count();
+            self.line += newlines as u64;
+            self.line_start = self.seen + (at + last) as u64 + 1;
+        }
+        // The placeholder, `{` + newlines + `}`, is never longer than the item.
+        buf[*out..*out + newlines].fill(b'\n');
+        buf[*out + newlines] = b'}';
+        *out += newlines + 1;
+        cuts.queue.push_back(CutItem {
+            slot,
+            start,
+            end: cuts.offset(),
+            line,
+            column,
+            newlines: newlines as u64,
+            tail: self.seen + end as u64 - self.line_start,
+            ended: End::Closed,
+            item: Some(item),
+        });
+        Some(end)
+    }
+
     /// A container opens outside items: what it is to the walk.
     fn open(&mut self, b: u8) {
         let parent = match self.depth {
@@ -408,6 +506,10 @@ impl Cut {
         }
         if matches!(within, Within::Top | Within::Place) {
             (self.at, self.last_key) = (TopAt::Key, None);
+        }
+        if within == Within::Items {
+            self.slot = Slot { array: self.slot.array + 1, index: 0 };
+            self.fresh = true;
         }
     }
 

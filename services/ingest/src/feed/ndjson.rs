@@ -1,13 +1,13 @@
 //! NDJSON feeds: one item a line, each on its own, read with a bounded
 //! line buffer.
 
+use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
 use std::io::{self, BufRead};
 
 use serde::de::IgnoredAny;
 
-use super::{FeedError, FeedEvent, Stopped, duplicate, id_key};
+use super::{FeedError, FeedEvent, IdSet, Stopped, duplicate, id_key};
 use crate::item::{Item, ItemRules, Reason, Reject, parse_item};
 
 /// The items of an NDJSON feed, each line on its own.
@@ -17,7 +17,7 @@ pub(super) fn ndjson(
     sink: &mut dyn FnMut(FeedEvent) -> Result<(), Stopped>,
 ) -> Result<(), FeedError> {
     let max = rules.max_item_bytes;
-    let mut ids: HashMap<i64, HashSet<u128>> = HashMap::new();
+    let mut ids: HashMap<i64, IdSet> = HashMap::new();
     let mut buf = Vec::new();
     let mut line_no = 0u64;
     while let Some(len) =
@@ -48,7 +48,7 @@ pub(super) fn ndjson(
                 Entry::Occupied(e) => e.into_mut(),
                 Entry::Vacant(e) => {
                     sink(FeedEvent::Place(place)).map_err(|_| FeedError::Stopped)?;
-                    e.insert(HashSet::new())
+                    e.insert(IdSet::default())
                 }
             };
             if let FeedEvent::Item(item) = event {

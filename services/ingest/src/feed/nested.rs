@@ -2,7 +2,6 @@
 //! walked by one serde visitor that knows its level and hands over each
 //! item as soon as it is parsed.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::io::{BufReader, Read, Seek};
 use std::rc::Rc;
@@ -12,10 +11,10 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use serde_json::error::Category;
 use serde_json::value::RawValue;
 
-use super::cut::{CutItem, End};
+use super::cut::{CutItem, End, Slot};
 use super::intake::{Intake, ReadState, Spool, spool_error};
-use super::{BUFFER_BYTES, FeedError, FeedEvent, Stopped, duplicate, id_key};
-use crate::item::{self, ItemRules, Reason, Reject, parse_item};
+use super::{BUFFER_BYTES, FeedError, FeedEvent, IdSet, Stopped, duplicate, id_key};
+use crate::item::{self, Item, ItemRules, Reason, Reject, parse_item};
 
 pub(super) struct Parser<'s> {
     pub(super) rules: ItemRules,
@@ -24,7 +23,9 @@ pub(super) struct Parser<'s> {
     /// The real cause when a visitor had to bail out with a serde error.
     pub(super) fatal: Option<FeedError>,
     /// Hashed ids of the current place (nested format).
-    pub(super) ids: HashSet<u128>,
+    pub(super) ids: IdSet,
+    /// `items` arrays walked in a document whose items are cut ([`Slot`]).
+    pub(super) items_arrays: u64,
 }
 
 impl Parser<'_> {
@@ -70,17 +71,22 @@ impl Parser<'_> {
         raw: &str,
         cut: Option<&CutItem>,
     ) -> Result<(), E> {
-        let event = match parse_item(raw, Some(place_id), &self.rules) {
-            Ok(item) if !self.ids.insert(id_key(&item.id)) => {
-                FeedEvent::Reject(duplicate(item, raw.as_bytes()))
-            }
-            Ok(item) => FeedEvent::Item(item),
+        match parse_item(raw, Some(place_id), &self.rules) {
+            Ok(item) => self.accept(item, raw.as_bytes()),
             Err(reject) => {
                 if let Some(cut) = cut {
                     self.check(cut, raw.as_bytes())?;
                 }
-                FeedEvent::Reject(reject)
+                self.emit(FeedEvent::Reject(reject))
             }
+        }
+    }
+
+    /// Hands over a valid item of the current place, unless its id came before.
+    fn accept<E: de::Error>(&mut self, item: Item, raw: &[u8]) -> Result<(), E> {
+        let event = match self.ids.insert(id_key(&item.id)) {
+            true => FeedEvent::Item(item),
+            false => FeedEvent::Reject(duplicate(item, raw)),
         };
         self.emit(event)
     }
@@ -94,7 +100,7 @@ impl Parser<'_> {
         pending: &mut Vec<Box<str>>,
     ) -> Result<(), E> {
         let state = self.state.clone();
-        let Some(cut) = state.cuts.borrow_mut().next() else {
+        let Some(mut cut) = state.cuts.borrow_mut().next() else {
             let detail = "an item was read that was not cut out (a bug in the feed parser)";
             return Err(self.fail(FeedError::Malformed(detail.into())));
         };
@@ -102,6 +108,11 @@ impl Parser<'_> {
         // reading now.
         let cuts = state.cuts.borrow();
         let bytes = cuts.bytes(&cut);
+        if let (Some(mut item), Some(place_id)) = (cut.item.take(), place_id) {
+            // Parsed as it was cut: what `nested_item` would have got.
+            item.place_id = place_id;
+            return self.accept(item, bytes);
+        }
         match (cut.ended, std::str::from_utf8(bytes), place_id) {
             (End::Closed, Ok(raw), Some(place_id)) => self.nested_item(place_id, raw, Some(&cut)),
             (End::Closed, Ok(raw), None) => {
@@ -312,17 +323,59 @@ impl<'de> Visitor<'de> for Walk<'_, '_, '_> {
             while seq.next_element_seed(Walk(&mut *parser, Level::Place))?.is_some() {}
             return Ok(());
         };
-        while let Some(raw) = parser.capture("an item", || seq.next_element::<Box<RawValue>>())? {
-            match place_id {
-                // A placeholder: the item was cut out under serde_json.
-                _ if parser.state.cutting && raw.get().starts_with('{') => {
-                    parser.cut_item(place_id, pending)?
+        let cutting = parser.state.cutting;
+        parser.items_arrays += u64::from(cutting);
+        let mut slot = Slot { array: parser.items_arrays, index: 0 };
+        loop {
+            // The placeholder of an item already cut is read without a copy;
+            // one whose item is cut only as serde_json reads on is read raw.
+            if cutting && parser.state.cuts.borrow().waiting(slot) {
+                if parser.capture("an item", || seq.next_element_seed(Placeholder))?.is_none() {
+                    break;
                 }
-                Some(place_id) => parser.nested_item(place_id, raw.get(), None)?,
-                None => pending.push(raw.get().into()),
+                parser.cut_item(place_id, pending)?;
+            } else {
+                let raw = parser.capture("an item", || seq.next_element::<Box<RawValue>>())?;
+                let Some(raw) = raw else { break };
+                match place_id {
+                    _ if cutting && raw.get().starts_with('{') => {
+                        parser.cut_item(place_id, pending)?
+                    }
+                    Some(place_id) => parser.nested_item(place_id, raw.get(), None)?,
+                    None => pending.push(raw.get().into()),
+                }
             }
+            slot.index += 1;
         }
         Ok(())
+    }
+}
+
+/// The placeholder of an item cut out under serde_json (`{`, the item's
+/// newlines, `}`), read without the copy a `Box<RawValue>` makes. It is an
+/// empty object, read without fail as a raw value would be; were it
+/// something else (the walk and the cutter counting elements apart), the
+/// feed fails rather than an element be skipped.
+struct Placeholder;
+
+impl<'de> DeserializeSeed<'de> for Placeholder {
+    type Value = ();
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Placeholder {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("the placeholder of an item cut out")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        match map.next_key::<IgnoredAny>()? {
+            None => Ok(()),
+            Some(_) => Err(de::Error::custom("an item was not cut out (a bug in the feed parser)")),
+        }
     }
 }
 

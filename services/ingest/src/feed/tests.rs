@@ -171,6 +171,18 @@ impl<R: Read> Read for Trickle<R> {
     }
 }
 
+/// A reader that hands out a few bytes per call, a different count each
+/// time: items end up whole in one read, or split anywhere.
+struct Chunks<R>(R, usize);
+
+impl<R: Read> Read for Chunks<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.1 = (self.1 + 29) % 97;
+        let n = buf.len().min(self.1 + 1);
+        self.0.read(&mut buf[..n])
+    }
+}
+
 /// Runs `input` whole and one byte at a time; both must agree.
 fn run_both(input: &str) -> (String, Result<Layout, FeedError>) {
     let (events, result) = run(input);
@@ -379,7 +391,9 @@ fn run_cutting(input: impl Read, cutting: bool) -> String {
 /// the events, not a rejection's detail, not an error's text or its line
 /// and column, on every byte deleted, inserted or cut off of feeds with
 /// items on one line and across lines, strings that hold brackets, quotes
-/// and escapes, and values nested in items; read whole and a byte at a time.
+/// and escapes, and values nested in items; read whole, a byte at a time,
+/// and a few bytes at a time (an item whole in one read is parsed as it is
+/// cut, one split across reads is cut by scanning).
 #[test]
 fn cutting_the_items_out_changes_nothing_seen() {
     let seeds = [
@@ -411,6 +425,8 @@ fn cutting_the_items_out_changes_nothing_seen() {
             // How far the scan for `brand_id` read ahead depends on the reads.
             let expected = run_cutting(Trickle(&feed[..]), false);
             assert_eq!(run_cutting(Trickle(&feed[..]), true), expected, "trickled: {shown}");
+            let expected = run_cutting(Chunks(&feed[..], 0), false);
+            assert_eq!(run_cutting(Chunks(&feed[..], 0), true), expected, "in chunks: {shown}");
             cases += 1;
         }
     }
@@ -430,4 +446,37 @@ fn an_item_of_newlines_fails_at_the_hard_cap() {
     assert_eq!(events, "P1 I1/a");
     malformed(result, "an item is larger than");
     assert!(read.get() < 2 << 20, "{} bytes read", read.get());
+}
+
+/// An item whole in one read that the item parser's fast path takes is
+/// parsed as it is cut; one it leaves to the reference parser, or one split
+/// across reads, is cut by scanning. (Were the first never so, the test
+/// comparing cut and uncut feeds would pass without ever taking that path.)
+/// Each is known by the element it is of its `items` array, so that the
+/// walk reads its placeholder without a copy; one that serde_json cannot
+/// read as an element (no comma before it) is of none.
+#[test]
+fn an_item_whole_in_one_read_is_parsed_as_it_is_cut() {
+    let feed = "{\"brand_id\": 7, \"places\": [{\"place_id\": 1, \"items\": [{\"id\":\n\"a\"},\
+                {\"id\": \"b\", \"price\": 1.5}, 5, [{\"x\": 1}], {\"id\": \"d\"} 6 {\"id\": \"e\"},\
+                {\"id\": \"c\"";
+    let (mut cut, mut cuts) = (Cut::new(1 << 20, RULES), cut::Cuts::default());
+    let mut buf = feed.as_bytes().to_vec();
+    let given = cut.filter(&mut buf, &mut cuts);
+    let given = String::from_utf8_lossy(&buf[..given]);
+    let placeholders = "{\"brand_id\": 7, \"places\": [{\"place_id\": 1, \"items\": [{\n},\
+                        {}, 5, [{\"x\": 1}], {} 6 {},{";
+    assert_eq!(given, placeholders);
+    let mut elements = Vec::new();
+    for index in 0..6 {
+        if cuts.waiting(cut::Slot { array: 1, index }) {
+            let item = cuts.next().expect("waiting");
+            elements.push((index, item.item.map(|item| item.id)));
+        }
+    }
+    assert_eq!(elements, [(0, Some("a".into())), (1, None), (4, Some("d".into()))]);
+    assert!(!cuts.waiting(cut::Slot { array: 1, index: 4 }), "`e` is not the element `d` was");
+    let of_none = cuts.next().expect("cut").item.map(|item| item.id);
+    assert_eq!(of_none, Some("e".into()));
+    assert!(cuts.next().is_none(), "`c` is still being cut");
 }

@@ -32,20 +32,39 @@ const BRAND_ID: usize = 9;
 const PLACE_ID: usize = 10;
 const KEYS: usize = 11;
 
-/// The value of a known key, as far as the fast path needs it.
+/// The value of a known key, as far as the fast path needs it. Its text is
+/// where it stands in the item: the scan reads bytes, and the item is known
+/// to be UTF-8 only once its end is found ([`parse_leading`]).
 #[derive(Debug, Clone, Copy)]
-enum Value<'a> {
+enum Value {
     /// Not there, or `null` (serde reads `null` into an `Option` as `None`).
     Absent,
     /// A string: its text between the quotes, and whether it has escapes.
-    Str { body: &'a str, escaped: bool },
+    Str { body: Span, escaped: bool },
     /// A plain JSON integer that fits in i64.
     Int(i64),
     /// An array of strings: its text from `[` to `]`, how many, the bytes
     /// their fields take at most, and the longest text between quotes.
-    Strings { text: &'a str, count: usize, size: usize, longest: usize },
+    Strings { text: Span, count: usize, size: usize, longest: usize },
     /// Any other valid value.
     Other,
+}
+
+/// Where some text stands in the item.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    start: usize,
+    end: usize,
+}
+
+impl Span {
+    fn len(self) -> usize {
+        self.end - self.start
+    }
+
+    fn of(self, raw: &str) -> Option<&str> {
+        raw.get(self.start..self.end)
+    }
 }
 
 /// Parses `raw` when it is a well-formed item that the reference parser
@@ -54,7 +73,37 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
     if raw.len() > rules.max_item_bytes {
         return None;
     }
-    let fields = scan(raw)?;
+    let mut fields = [Value::Absent; KEYS];
+    let end = scan(raw.as_bytes(), &mut fields)?;
+    if ws(raw.as_bytes(), end) != raw.len() {
+        return None;
+    }
+    build(raw, &fields, place_id, rules)
+}
+
+/// The item that `bytes` start with, when it is all there and the fast path
+/// accepts it: what [`parse`] gives for its bytes (and a `place_id` of 0,
+/// for the caller to set), and their length. Nothing after its closing
+/// bracket is read: the item may be followed by anything.
+pub(super) fn parse_leading(bytes: &[u8], rules: &ItemRules) -> Option<(Item, usize)> {
+    // A longer item is not taken by `parse` either.
+    let bytes = &bytes[..bytes.len().min(rules.max_item_bytes)];
+    if bytes.first() != Some(&b'{') {
+        return None;
+    }
+    let mut fields = [Value::Absent; KEYS];
+    let end = scan(bytes, &mut fields)?;
+    let raw = std::str::from_utf8(&bytes[..end]).ok()?;
+    Some((build(raw, &fields, Some(0), rules)?, end))
+}
+
+/// The item from its scanned fields.
+fn build(
+    raw: &str,
+    fields: &[Value; KEYS],
+    place_id: Option<i64>,
+    rules: &ItemRules,
+) -> Option<Item> {
     let place_id = match place_id {
         Some(place_id) => place_id,
         None => {
@@ -70,7 +119,7 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
         }
     };
     let id = match fields[ID] {
-        Value::Str { body, escaped } => decode(body, escaped)?,
+        Value::Str { body, escaped } => decode(body.of(raw)?, escaped)?,
         _ => return None,
     };
     if id.is_empty() || id.len() > MAX_ID_BYTES {
@@ -112,8 +161,8 @@ pub(super) fn parse(raw: &str, place_id: Option<i64>, rules: &ItemRules) -> Opti
         }
         match fields[number as usize] {
             Value::Int(n) => wire::int(&mut data, number, n),
-            Value::Str { body, escaped } => put_string(&mut data, number, body, escaped)?,
-            Value::Strings { text, .. } => put_strings(&mut data, number, text)?,
+            Value::Str { body, escaped } => put_string(&mut data, number, body.of(raw)?, escaped)?,
+            Value::Strings { text, .. } => put_strings(&mut data, number, text.of(raw)?)?,
             Value::Absent | Value::Other => {}
         }
     }
@@ -148,11 +197,10 @@ fn put_strings(data: &mut Vec<u8>, number: u32, text: &str) -> Option<()> {
     }
 }
 
-/// The item's known keys and their values, when the whole text is one JSON
-/// object read without doubt.
-fn scan(raw: &str) -> Option<[Value<'_>; KEYS]> {
-    let b = raw.as_bytes();
-    let mut fields = [Value::Absent; KEYS];
+/// The item's known keys and their values (into `fields`, all absent to
+/// begin with: returning them would copy them), when the text starts with
+/// one JSON object read without doubt (after whitespace); where it ends.
+fn scan(b: &[u8], fields: &mut [Value; KEYS]) -> Option<usize> {
     let mut seen = 0u16;
     let mut i = ws(b, 0);
     if b.get(i) != Some(&b'{') {
@@ -184,7 +232,7 @@ fn scan(raw: &str) -> Option<[Value<'_>; KEYS]> {
                         return None;
                     }
                     seen |= 1 << slot;
-                    let (value, end) = known(raw, i, slot == pf::IMAGES as usize)?;
+                    let (value, end) = known(b, i, slot == pf::IMAGES as usize)?;
                     fields[slot] = value;
                     end
                 }
@@ -201,7 +249,7 @@ fn scan(raw: &str) -> Option<[Value<'_>; KEYS]> {
             }
         }
     }
-    (ws(b, i) == b.len()).then_some(fields)
+    Some(i)
 }
 
 /// The slot of a known key.
@@ -223,19 +271,18 @@ fn slot(key: &[u8]) -> Option<usize> {
 }
 
 /// The value of a known key at `i` (not whitespace), and where it ends.
-fn known(raw: &str, i: usize, images: bool) -> Option<(Value<'_>, usize)> {
-    let b = raw.as_bytes();
+fn known(b: &[u8], i: usize, images: bool) -> Option<(Value, usize)> {
     match b.get(i)? {
         b'"' => {
             let (end, escaped) = string(b, i + 1)?;
-            Some((Value::Str { body: raw.get(i + 1..end - 1)?, escaped }, end))
+            Some((Value::Str { body: Span { start: i + 1, end: end - 1 }, escaped }, end))
         }
         b'-' | b'0'..=b'9' => match number(b, i)? {
             (end, Some(n)) => Some((Value::Int(n), end)),
             (end, None) => Some((Value::Other, end)),
         },
         b'n' => Some((Value::Absent, literal(b, i, b"null")?)),
-        b'[' if images => match strings(raw, i) {
+        b'[' if images => match strings(b, i) {
             Some(found) => Some(found),
             None => Some((Value::Other, skip(b, i)?)),
         },
@@ -245,8 +292,7 @@ fn known(raw: &str, i: usize, images: bool) -> Option<(Value<'_>, usize)> {
 
 /// An array of strings only at `start` (`[`); `None` for anything else, valid
 /// or not.
-fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
-    let b = raw.as_bytes();
+fn strings(b: &[u8], start: usize) -> Option<(Value, usize)> {
     let (mut count, mut size, mut longest) = (0, 0, 0);
     let mut i = ws(b, start + 1);
     if b.get(i) != Some(&b']') {
@@ -267,7 +313,7 @@ fn strings(raw: &str, start: usize) -> Option<(Value<'_>, usize)> {
             }
         }
     }
-    let text = raw.get(start..i + 1)?;
+    let text = Span { start, end: i + 1 };
     Some((Value::Strings { text, count, size, longest }, i + 1))
 }
 

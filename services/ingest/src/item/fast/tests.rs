@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use super::super::{
-    ItemRules, MAX_ID_BYTES, MAX_IMAGES, MAX_STRING_BYTES, OwnedFields, parse_item, reference,
+    Item, ItemRules, MAX_ID_BYTES, MAX_IMAGES, MAX_STRING_BYTES, OwnedFields, parse_item, reference,
 };
 
 const BRAND: i64 = 7;
@@ -48,7 +48,40 @@ fn same(raw: &str, place: Option<i64>, rules: &ItemRules) -> Result<bool, TestCa
         );
     }
     prop_assert_eq!(parse_item(raw, place, rules), expected, "{:?} {:?} {:?}", raw, place, rules);
+    if let Some(place) = place {
+        leading(raw, place, rules, fast.as_ref())?;
+    }
     Ok(fast.is_some())
+}
+
+/// `raw` followed by more of a document, read by the fast path from its
+/// start as the feed's cutter reads it: what it takes is the reference's
+/// item for the bytes it says the item has, and it takes `raw` whole
+/// exactly when `parse` takes it as one item from its first byte to its last.
+fn leading(
+    raw: &str,
+    place: i64,
+    rules: &ItemRules,
+    fast: Option<&Item>,
+) -> Result<(), TestCaseError> {
+    let mut bytes = raw.as_bytes().to_vec();
+    bytes.extend_from_slice(b" ,{\"id\": \"z\"}]}\n\xff");
+    let taken = super::parse_leading(&bytes, rules).map(|(mut item, len)| {
+        item.place_id = place;
+        (item, len)
+    });
+    if let Some((item, len)) = &taken {
+        let expected =
+            std::str::from_utf8(&bytes[..*len]).map(|raw| reference(raw, Some(place), rules));
+        prop_assert_eq!(Ok(Ok(item)), expected.as_ref().map(Result::as_ref), "leading: {:?}", raw);
+    }
+    // `raw` is the item `parse` took with nothing around it, or the one
+    // taken here.
+    let alone = fast.is_some() && raw.starts_with('{') && raw.ends_with('}');
+    if alone || taken.as_ref().is_some_and(|(_, len)| *len == raw.len()) {
+        prop_assert_eq!(taken, fast.cloned().map(|item| (item, raw.len())), "leading: {:?}", raw);
+    }
+    Ok(())
 }
 
 /// `raw` under every owned set, both layouts, and limits around its size.
