@@ -684,3 +684,72 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
 fn settings_partitions(h: &Harness) -> u32 {
     h.settings.storage.partitions
 }
+
+/// Outbox entries as a commit writes them: `n` of them for `seq`.
+fn outbox_entries(seq: u64, n: u32) -> Vec<shelfsync_proto::OutboxEntry> {
+    (0..n)
+        .map(|part| shelfsync_proto::OutboxEntry {
+            subject: "x".into(),
+            msg_id: format!("chg:0:{seq}:{part}"),
+            payload: vec![part as u8; 3].into(),
+            msg_type: shelfsync_proto::msg_type::CHANGE_BATCH.into(),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The outbox at the store, with no storage running: a commit's entries are
+/// staged outside the commit script; a commit that finds the outbox not
+/// empty appends to it in order, a fenced one leaves nothing behind, and an
+/// earlier version's outbox list is adopted in order before what follows.
+#[tokio::test]
+async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
+    use shelfsync_bus::Partition;
+    use shelfsync_storage::store::{Commit, Fence, Position, Writes};
+    let env = TestEnv::start().await.expect("servers");
+    let settings = settings_for(&env);
+    let store = shelfsync_storage::Store::connect(&settings.redis).await.expect("store");
+    const P: Partition = Partition(0);
+    let commit = |from: u64, to: u64, n: u32| {
+        let (store, outbox) = (store.clone(), outbox_entries(to, n));
+        async move {
+            let fence = Fence { at: Position::at(from), stream: String::new() };
+            let writes = Writes { outbox: &outbox, ..Default::default() };
+            store.commit(P, &fence, &Position::at(to), &writes).await.expect("commit")
+        }
+    };
+    let ids = |entries: Vec<shelfsync_proto::OutboxEntry>| -> Vec<String> {
+        entries.into_iter().map(|e| e.msg_id).collect()
+    };
+    // An earlier version's outbox: a list of entries, adopted first.
+    let keys = store.keys(P);
+    let mut conn = store.conn();
+    let legacy: Vec<Vec<u8>> = outbox_entries(1, 2).iter().map(Message::encode_to_vec).collect();
+    let () = redis::cmd("RPUSH")
+        .arg(keys.legacy_outbox())
+        .arg(&legacy)
+        .query_async(&mut conn)
+        .await
+        .expect("rpush");
+    assert_eq!(store.adopt_legacy_outbox(P).await.expect("adopt"), 2);
+    assert_eq!(store.adopt_legacy_outbox(P).await.expect("adopt"), 0, "once");
+
+    assert_eq!(commit(0, 2, 2).await, Commit::Done);
+    assert_eq!(commit(0, 3, 1).await, Commit::Fenced);
+    assert_eq!(commit(2, 3, 1).await, Commit::Done);
+    let stage: bool =
+        redis::cmd("EXISTS").arg(keys.outbox_stage()).query_async(&mut conn).await.expect("exists");
+    assert!(!stage, "nothing staged is left behind");
+    assert_eq!(store.outbox_len(P).await.expect("len"), 5);
+    let head = ids(store.outbox_peek(P, 256).await.expect("peek"));
+    let expected = ["chg:0:1:0", "chg:0:1:1", "chg:0:2:0", "chg:0:2:1", "chg:0:3:0"];
+    assert_eq!(head, expected, "adopted, then in commit order; the fenced commit's not there");
+    store.outbox_trim(P, 3).await.expect("trim");
+    assert_eq!(ids(store.outbox_peek(P, 256).await.expect("peek")), expected[3..]);
+    store.outbox_trim(P, 2).await.expect("trim");
+    assert_eq!(store.outbox_len(P).await.expect("len"), 0);
+    // Into an empty outbox, the staged entries are the outbox as they are,
+    // known to the relay without a read.
+    assert_eq!(commit(3, 4, 2).await, Commit::Done);
+    assert_eq!(ids(store.outbox_peek(P, 256).await.expect("peek")), ["chg:0:4:0", "chg:0:4:1"]);
+}

@@ -90,15 +90,22 @@ pub struct Known {
     /// The live records of the places whose census it has seen, kept by the
     /// same rules.
     pub live: LivePlaces,
+    /// Scratch of [`Known::split`], kept for its capacity.
+    skippable: FastMap<u128, bool>,
 }
 
 /// The product id, hashed with a seed made of its brand and place: no
 /// copy of the id, whatever its length.
 pub(crate) fn key_hash(brand_id: i64, place_id: i64, product_id: &str) -> u128 {
+    xxh3_128_with_seed(product_id.as_bytes(), place_seed(brand_id, place_id))
+}
+
+/// The seed of [`key_hash`] for the ids of one place.
+fn place_seed(brand_id: i64, place_id: i64) -> u64 {
     let mut place = [0u8; 16];
     place[..8].copy_from_slice(&brand_id.to_le_bytes());
     place[8..].copy_from_slice(&place_id.to_le_bytes());
-    xxh3_128_with_seed(product_id.as_bytes(), xxh3_64(&place))
+    xxh3_64(&place)
 }
 
 fn command_key(cmd: &Command) -> Option<u128> {
@@ -144,7 +151,12 @@ fn content_hash(data: &[u8], state: &[u8], clear_data: &[u32], clear_state: &[u3
 
 impl Known {
     pub fn new(capacity: usize) -> Self {
-        Self { entries: FastMap::default(), capacity, live: LivePlaces::new(capacity) }
+        Self {
+            entries: FastMap::default(),
+            capacity,
+            live: LivePlaces::new(capacity),
+            skippable: FastMap::default(),
+        }
     }
 
     /// Forgets everything (a failed or fenced commit, a new binding).
@@ -157,16 +169,19 @@ impl Known {
     /// commit) into those that must go through Redis, decoded, and those
     /// vouched for, which are neither decoded nor loaded (what the skipped
     /// commands of full imports carried is kept with each split).
-    pub fn split(&self, messages: &[&Scanned]) -> Result<Vec<Split>, prost::DecodeError> {
+    pub fn split(&mut self, messages: &[&Scanned]) -> Result<Vec<Split>, prost::DecodeError> {
         let whole = |m: &Scanned| Ok(Split { rest: m.decode_all()?, ..Split::default() });
         if self.entries.is_empty() {
             return messages.iter().map(|m| whole(m)).collect();
         }
         // A key is skipped only when every command on it is vouched for.
         let n: usize = messages.iter().map(|m| m.len()).sum();
-        let mut skippable: FastMap<u128, bool> = FastMap::default();
+        let mut skippable = std::mem::take(&mut self.skippable);
+        skippable.clear();
         skippable.reserve(n);
         let mut keys = Vec::with_capacity(n);
+        // Commands come place after place: the key's seed is the place's.
+        let mut seed = None;
         for m in messages {
             let Some(views) = m.views() else {
                 // Decoded whole: nothing in it is vouched for.
@@ -174,7 +189,17 @@ impl Known {
                 continue;
             };
             for view in views {
-                let k = view.key().map(|(place, id)| key_hash(place.brand_id, place.place_id, id));
+                let k = view.key().map(|(place, id)| {
+                    let s = match seed {
+                        Some((p, s)) if p == place => s,
+                        _ => {
+                            let s = place_seed(place.brand_id, place.place_id);
+                            seed = Some((place, s));
+                            s
+                        }
+                    };
+                    xxh3_128_with_seed(id.as_bytes(), s)
+                });
                 keys.push(k);
                 let Some(k) = k else { continue };
                 let ok = self
@@ -210,6 +235,7 @@ impl Known {
             split.rest = m.decode_some(|i| !skips(&these[i]))?;
             out.push(split);
         }
+        self.skippable = skippable;
         Ok(out)
     }
 
@@ -230,10 +256,14 @@ impl Known {
         for k in applied.iter().filter_map(|(_, k)| *k) {
             *commands_on.entry(k).or_default() += 1;
         }
+        // One key to look slots up with, its id buffer reused.
+        let mut slot_key: Key = (0, 0, String::new());
         for (cmd, k) in applied {
             let hash = command_hash(cmd);
             let (Some(key), Some(k)) = (cmd.key.as_ref(), k) else { continue };
-            let slot_key = (key.brand_id, key.place_id, key.product_id.clone());
+            (slot_key.0, slot_key.1) = (key.brand_id, key.place_id);
+            slot_key.2.clear();
+            slot_key.2.push_str(&key.product_id);
             let Some(slot) = slots.get(&slot_key) else { continue };
             if hash == 0 || slot.record.is_none() || rejected.contains(&slot_key) {
                 continue;
@@ -318,7 +348,7 @@ mod tests {
     }
 
     impl Known {
-        fn split_ok(&self, messages: &[&Scanned]) -> Vec<Split> {
+        fn split_ok(&mut self, messages: &[&Scanned]) -> Vec<Split> {
             self.split(messages).expect("decodes")
         }
     }

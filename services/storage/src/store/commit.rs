@@ -45,7 +45,7 @@ local function keep(marker, frozen, key, from, to, stride)
   local ttl = redis.call('PTTL', marker)
   if ttl > 0 then redis.call('PEXPIRE', frozen, ttl) end
 end
-local function run_ops(i, added)
+local function run_ops(i)
   local n = #ARGV
   while i <= n do
     local op = ARGV[i]
@@ -61,11 +61,10 @@ local function run_ops(i, added)
       from = i + 2
     elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
         and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
-        and op ~= 'DEL' and op ~= 'XADD' then
+        and op ~= 'DEL' then
       return 'unknown op ' .. op
     end
-    local r = redis.call(op, key, unpack(ARGV, from, i + count - 1))
-    if op == 'XADD' then added[#added + 1] = r end
+    redis.call(op, key, unpack(ARGV, from, i + count - 1))
     i = i + count
   end
 end
@@ -74,25 +73,50 @@ end
 /// Checks that the partition stands where the caller read it (KEYS[1] the
 /// applied sequence = ARGV[1], KEYS[3] the step = ARGV[3], and — when ARGV[5]
 /// is not empty — KEYS[4] the command stream's identity = ARGV[5]), then runs
-/// every write ([`OPS_LUA`] from ARGV[6] on) and moves the partition to
-/// ARGV[2] / ARGV[4] (an empty step: none), all in one atomic step. Returns 0
-/// when fenced, else the length of the outbox stream (KEYS[2]) followed by
-/// the ids of the entries this commit added to it: when the two counts are
-/// equal, the outbox holds exactly this commit's entries, which the relay
+/// every write ([`OPS_LUA`] from ARGV[7] on) and moves the partition to
+/// ARGV[2] / ARGV[4] (an empty step: none), all in one atomic step.
+///
+/// The commit's outbox entries (ARGV[6] of them, `0`: none) were added to
+/// the staging stream KEYS[5] just before, in the same `MULTI`, so that
+/// their bytes never pass through Lua (which hashes every byte of every
+/// string it is given). Fenced, the script drops them; done, it makes them
+/// the outbox (KEYS[2]): by renaming the stream when the outbox is empty,
+/// as it is after every relay, else by appending them one by one.
+///
+/// Returns 0 when fenced, else the outbox's length, 1 when the staged
+/// entries became the outbox as they are (their ids kept) or 0, and then
+/// the ids of the entries appended: when the length equals the count of
+/// this commit's entries, the outbox holds exactly them, which the relay
 /// then publishes from memory instead of reading them back.
 const COMMIT_LUA: &str = r#"
+local function fenced()
+  if ARGV[6] ~= '0' then redis.call('DEL', KEYS[5]) end
+  return 0
+end
 local cur = redis.call('GET', KEYS[1]) or '0'
-if cur ~= ARGV[1] then return 0 end
+if cur ~= ARGV[1] then return fenced() end
 local step = redis.call('GET', KEYS[3]) or ''
-if step ~= ARGV[3] then return 0 end
-if ARGV[5] ~= '' and (redis.call('GET', KEYS[4]) or '') ~= ARGV[5] then return 0 end
-local added = {}
-local err = run_ops(6, added)
+if step ~= ARGV[3] then return fenced() end
+if ARGV[5] ~= '' and (redis.call('GET', KEYS[4]) or '') ~= ARGV[5] then return fenced() end
+local err = run_ops(7)
 if err then return redis.error_reply('commit: ' .. err) end
 redis.call('SET', KEYS[1], ARGV[2])
 if ARGV[4] == '' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4]) end
-table.insert(added, 1, redis.call('XLEN', KEYS[2]))
-return added
+local kept, added = 0, {}
+if ARGV[6] ~= '0' then
+  if redis.call('XLEN', KEYS[2]) == 0 then
+    redis.call('RENAME', KEYS[5], KEYS[2])
+    kept = 1
+  else
+    for _, e in ipairs(redis.call('XRANGE', KEYS[5], '-', '+')) do
+      added[#added + 1] = redis.call('XADD', KEYS[2], '*', e[2][1], e[2][2])
+    end
+    redis.call('DEL', KEYS[5])
+  end
+end
+local out = {redis.call('XLEN', KEYS[2]), kept}
+for _, id in ipairs(added) do out[#out + 1] = id end
+return out
 "#;
 
 /// Adopts the command stream a partition's sequence counts in: ARGV[1] is
@@ -109,9 +133,10 @@ if not cur or fresh then redis.call('SET', KEYS[1], ARGV[1]); return 'adopted' e
 return cur
 "#;
 
-/// The script of the commit (and of the purges, fenced the same way).
-pub(super) fn commit_script() -> redis::Script {
-    redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}"))
+/// The source of the commit script (and of the purges, fenced the same
+/// way).
+pub(super) fn commit_code() -> String {
+    format!("{OPS_LUA}{COMMIT_LUA}")
 }
 
 /// The script of [`Store::bind_stream`].
@@ -133,7 +158,7 @@ impl CommitOps {
     /// For [`COMMIT_LUA`]: the fence and the position it moves to.
     pub(super) fn new(keys: &Keys, fence: &Fence, to: &Position) -> Self {
         let mut ops = Self::empty();
-        for k in [keys.seq(), keys.outbox(), keys.step(), keys.stream()] {
+        for k in [keys.seq(), keys.outbox(), keys.step(), keys.stream(), keys.outbox_stage()] {
             ops.key(&k);
         }
         for a in [
@@ -142,10 +167,17 @@ impl CommitOps {
             fence.at.step.clone(),
             to.step.clone(),
             fence.stream.clone(),
+            // Outbox entries staged (see `COMMIT_LUA`): none unless said.
+            "0".into(),
         ] {
             ops.args.push(a.into_bytes());
         }
         ops
+    }
+
+    /// Says that `n` outbox entries were staged for this commit.
+    fn staged(&mut self, n: usize) {
+        self.args[STAGED_ARG] = n.to_string().into_bytes();
     }
 
     fn empty() -> Self {
@@ -159,11 +191,6 @@ impl CommitOps {
         self.keys.push(k.to_string());
         self.key_index.insert(k.to_string(), self.keys.len());
         self.keys.len()
-    }
-
-    /// Adds one entry (`OutboxEntry` bytes) to the outbox stream `key`.
-    pub(super) fn add_to_outbox(&mut self, key: &str, entry: Vec<u8>) {
-        self.op("XADD", key, vec![b"*".to_vec(), OUTBOX_FIELD.as_bytes().to_vec(), entry], 3);
     }
 
     /// Adds `op key args...`, split into chunks whose length is a multiple of
@@ -217,27 +244,34 @@ impl CommitOps {
         }
     }
 
-    /// Runs `script` with these keys and args: `EVALSHA`, built in one
-    /// buffer of the right size (a commit is hundreds of KB), and the
-    /// script loaded first if Redis does not have it (a restart flushes
-    /// scripts).
-    pub(super) async fn invoke(
-        &self,
-        script: &redis::Script,
-        conn: &mut RedisConn,
-    ) -> Result<Value, StoreError> {
+    /// `EVALSHA` (`EVAL` with `code`) of the script with these keys and
+    /// args, built in one buffer of the right size (a commit is hundreds of
+    /// KB).
+    fn command(&self, verb: &str, script: &str) -> redis::Cmd {
         let count = 3 + self.keys.len() + self.args.len();
-        let bytes = self.keys.iter().map(String::len).sum::<usize>()
+        let bytes = script.len()
+            + self.keys.iter().map(String::len).sum::<usize>()
             + self.args.iter().map(Vec::len).sum::<usize>()
             + 64;
         let mut cmd = redis::Cmd::with_capacity(count, bytes);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(self.keys.len());
+        cmd.arg(verb).arg(script).arg(self.keys.len());
         for k in &self.keys {
             cmd.arg(k);
         }
         for a in &self.args {
             cmd.arg(a.as_slice());
         }
+        cmd
+    }
+
+    /// Runs `script` with these keys and args (`EVALSHA`; the script is
+    /// loaded first if Redis does not have it: a restart flushes scripts).
+    pub(super) async fn invoke(
+        &self,
+        script: &redis::Script,
+        conn: &mut RedisConn,
+    ) -> Result<Value, StoreError> {
+        let cmd = self.command("EVALSHA", script.get_hash());
         match cmd.query_async(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 script.load_async(conn).await?;
@@ -247,6 +281,9 @@ impl CommitOps {
         }
     }
 }
+
+/// ARGV index (from 0) of the count of staged outbox entries.
+const STAGED_ARG: usize = 5;
 
 /// The writes of dirty slots: records (their generations inside), the
 /// tombstone and absent indexes, and the place list.
@@ -480,27 +517,50 @@ impl Store {
         }
         touched_ops(&keys, &mut ops, writes.touched);
         sweep_ops(&keys, &mut ops, writes.sweeps);
-        for entry in writes.outbox {
-            ops.add_to_outbox(&keys.outbox(), entry.encode_to_vec());
-        }
         let mut conn = self.conn.clone();
-        let reply = ops.invoke(&self.commit_script, &mut conn).await?;
-        self.committed(partition, reply, writes.outbox)
+        if writes.outbox.is_empty() {
+            let reply = ops.invoke(&self.commit_script, &mut conn).await?;
+            return self.committed(partition, reply, &[], Vec::new());
+        }
+        // The entries are staged in the same MULTI, outside the script (see
+        // `COMMIT_LUA`), which is sent whole (`EVAL`): a NOSCRIPT inside a
+        // MULTI would leave the rest applied.
+        ops.staged(writes.outbox.len());
+        let stage = keys.outbox_stage();
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        pipe.cmd("DEL").arg(&stage).ignore();
+        for entry in writes.outbox {
+            pipe.cmd("XADD").arg(&stage).arg("*").arg(OUTBOX_FIELD).arg(entry.encode_to_vec());
+        }
+        pipe.add_command(ops.command("EVAL", &self.commit_code));
+        let mut replies: Vec<Value> = pipe.query_async(&mut conn).await?;
+        let reply = replies.pop().unwrap_or(Value::Nil);
+        let staged = replies.into_iter().map(redis::from_redis_value).collect::<Result<_, _>>()?;
+        self.committed(partition, reply, writes.outbox, staged)
     }
 
     /// What a commit's reply (`COMMIT_LUA`'s) says: fenced, or done; when
-    /// the outbox holds only the entries the commit added (`pushed`), they
-    /// are kept as its head for the relay's next peek.
+    /// the outbox holds only the entries the commit added (`pushed`, staged
+    /// with the ids `staged`), they are kept as its head for the relay's
+    /// next peek.
     pub(super) fn committed(
         &self,
         partition: Partition,
         reply: Value,
         pushed: &[OutboxEntry],
+        staged: Vec<String>,
     ) -> Result<Commit, StoreError> {
         let Value::Array(reply) = reply else { return Ok(Commit::Fenced) };
         let mut reply = reply.into_iter();
-        let len: usize = redis::from_redis_value(reply.next().unwrap_or(Value::Nil))?;
-        let ids: Vec<String> = reply.map(redis::from_redis_value).collect::<Result<_, _>>()?;
+        let mut next = || reply.next().unwrap_or(Value::Nil);
+        let len: usize = redis::from_redis_value(next())?;
+        let kept: u8 = redis::from_redis_value(next())?;
+        let ids: Vec<String> = if kept == 1 {
+            staged
+        } else {
+            reply.map(redis::from_redis_value).collect::<Result<_, _>>()?
+        };
         let head = (len == ids.len() && ids.len() == pushed.len())
             .then(|| ids.into_iter().zip(pushed.iter().cloned()).collect());
         self.keep_head(partition, head);

@@ -62,6 +62,10 @@ impl Keys {
     pub fn outbox(&self) -> String {
         format!("{}:obx", self.tag)
     }
+    /// Where a commit stages its outbox entries (see `COMMIT_LUA`).
+    pub fn outbox_stage(&self) -> String {
+        format!("{}:obx:in", self.tag)
+    }
     /// The outbox of versions before the stream (a list), adopted by
     /// [`super::Store::adopt_legacy_outbox`].
     pub fn legacy_outbox(&self) -> String {

@@ -12,6 +12,7 @@
 //! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
 //! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
 //! | `{ns:pN}:obx` | stream | `OutboxEntry` bytes not yet published (field `e`), in commit order |
+//! | `{ns:pN}:obx:in` | stream | a commit's outbox entries, staged in its `MULTI` (renamed to `obx` or dropped by the commit script) |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
 //! | `{ns:pN}:absent` | zset | `<brand>:<place>:<product_id>` of absent records, scored by when they became absent |
 //! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
@@ -196,6 +197,9 @@ pub struct Store {
     conn: RedisConn,
     namespace: String,
     commit_script: redis::Script,
+    /// The commit script's source, sent whole where a NOSCRIPT must not
+    /// happen (inside a `MULTI`).
+    commit_code: Arc<str>,
     bind_script: redis::Script,
     adopt_script: redis::Script,
     /// Per partition, the stream ids of the outbox entries
@@ -212,7 +216,8 @@ impl Store {
         Ok(Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
-            commit_script: commit::commit_script(),
+            commit_script: redis::Script::new(&commit::commit_code()),
+            commit_code: commit::commit_code().into(),
             bind_script: commit::bind_script(),
             adopt_script: outbox::adopt_script(),
             peeked: Arc::default(),

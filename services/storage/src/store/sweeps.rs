@@ -120,7 +120,12 @@ impl Store {
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);
         let mut conn = self.conn.clone();
-        match self.committed(partition, ops.invoke(&self.commit_script, &mut conn).await?, &[])? {
+        match self.committed(
+            partition,
+            ops.invoke(&self.commit_script, &mut conn).await?,
+            &[],
+            Vec::new(),
+        )? {
             Commit::Fenced => Ok(None),
             Commit::Done => Ok(Some(members.len())),
         }

@@ -136,7 +136,12 @@ impl Store {
         ops.kept_op(&records, &marker, &frozen, sets, 2);
         ops.op("HDEL", &gens, ids.iter().map(|id| id.to_vec()).collect(), 1);
         let mut conn = self.conn.clone();
-        match self.committed(partition, ops.invoke(&self.commit_script, &mut conn).await?, &[])? {
+        match self.committed(
+            partition,
+            ops.invoke(&self.commit_script, &mut conn).await?,
+            &[],
+            Vec::new(),
+        )? {
             Commit::Fenced => Ok(None),
             Commit::Done => Ok(Some(moved)),
         }
