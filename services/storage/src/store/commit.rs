@@ -133,10 +133,9 @@ if not cur or fresh then redis.call('SET', KEYS[1], ARGV[1]); return 'adopted' e
 return cur
 "#;
 
-/// The source of the commit script (and of the purges, fenced the same
-/// way).
-pub(super) fn commit_code() -> String {
-    format!("{OPS_LUA}{COMMIT_LUA}")
+/// The script of the commit (and of the purges, fenced the same way).
+pub(super) fn commit_script() -> redis::Script {
+    redis::Script::new(&format!("{OPS_LUA}{COMMIT_LUA}"))
 }
 
 /// The script of [`Store::bind_stream`].
@@ -244,9 +243,8 @@ impl CommitOps {
         }
     }
 
-    /// `EVALSHA` (`EVAL` with `code`) of the script with these keys and
-    /// args, built in one buffer of the right size (a commit is hundreds of
-    /// KB).
+    /// `EVALSHA` of the script (by its hash) with these keys and args, built
+    /// in one buffer of the right size (a commit is hundreds of KB).
     fn command(&self, verb: &str, script: &str) -> redis::Cmd {
         let count = 3 + self.keys.len() + self.args.len();
         let bytes = script.len()
@@ -523,8 +521,9 @@ impl Store {
             return self.committed(partition, reply, &[], Vec::new());
         }
         // The entries are staged in the same MULTI, outside the script (see
-        // `COMMIT_LUA`), which is sent whole (`EVAL`): a NOSCRIPT inside a
-        // MULTI would leave the rest applied.
+        // `COMMIT_LUA`). Should Redis not have the script (a restart), the
+        // staged entries are left in the stage, not the outbox: the script
+        // is loaded and the MULTI sent again, which empties the stage first.
         ops.staged(writes.outbox.len());
         let stage = keys.outbox_stage();
         let mut pipe = redis::pipe();
@@ -533,8 +532,14 @@ impl Store {
         for entry in writes.outbox {
             pipe.cmd("XADD").arg(&stage).arg("*").arg(OUTBOX_FIELD).arg(entry.encode_to_vec());
         }
-        pipe.add_command(ops.command("EVAL", &self.commit_code));
-        let mut replies: Vec<Value> = pipe.query_async(&mut conn).await?;
+        pipe.add_command(ops.command("EVALSHA", self.commit_script.get_hash()));
+        let mut replies: Vec<Value> = match pipe.query_async(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.commit_script.load_async(&mut conn).await?;
+                pipe.query_async(&mut conn).await?
+            }
+            other => other?,
+        };
         let reply = replies.pop().unwrap_or(Value::Nil);
         let staged = replies.into_iter().map(redis::from_redis_value).collect::<Result<_, _>>()?;
         self.committed(partition, reply, writes.outbox, staged)

@@ -197,9 +197,6 @@ pub struct Store {
     conn: RedisConn,
     namespace: String,
     commit_script: redis::Script,
-    /// The commit script's source, sent whole where a NOSCRIPT must not
-    /// happen (inside a `MULTI`).
-    commit_code: Arc<str>,
     bind_script: redis::Script,
     adopt_script: redis::Script,
     /// Per partition, the stream ids of the outbox entries
@@ -216,8 +213,7 @@ impl Store {
         Ok(Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
-            commit_script: redis::Script::new(&commit::commit_code()),
-            commit_code: commit::commit_code().into(),
+            commit_script: commit::commit_script(),
             bind_script: commit::bind_script(),
             adopt_script: outbox::adopt_script(),
             peeked: Arc::default(),
