@@ -524,7 +524,73 @@ impl Report {
             ),
             None => push("recommender top-N p99 < 1 ms in-process", "not measured".into(), None),
         }
+        self.check_peer_targets(&mut push);
         out
+    }
+
+    /// shelfsync's records/s over the PostgreSQL peer's (`variant`) on the
+    /// same import, when both were measured (and the peer verified).
+    fn over_peer(&self, scenario: &str, variant: &str) -> Option<f64> {
+        let ours = self.row(scenario, "shelfsync")?.records_per_s;
+        Some(ours / self.postgres.as_ref()?.row(scenario, variant)?.records_per_s?)
+    }
+
+    /// The targets against what users would pick instead (the PostgreSQL
+    /// peer, both sides durable) and of work proportional to changes.
+    fn check_peer_targets(&self, push: &mut impl FnMut(&str, String, Option<bool>)) {
+        use crate::reimport::{CHURN, IDENTICAL, INITIAL};
+        // Only durable servers are the target's conditions.
+        let judged = |holds: bool| self.durable.then_some(holds);
+        let target = "1% churn re-import ≥ 3× PostgreSQL default (both durable, same run)";
+        match self.over_peer(CHURN, "default") {
+            Some(r) => push(target, format!("{r:.2}×"), judged(r >= 3.0)),
+            None => push(target, "not measured".into(), None),
+        }
+        let target = "ahead of PostgreSQL tuned on the initial, identical and 1% churn imports";
+        let tuned: Vec<(&str, f64)> = [INITIAL, IDENTICAL, CHURN]
+            .into_iter()
+            .filter_map(|s| Some((s, self.over_peer(s, "tuned")?)))
+            .collect();
+        if tuned.len() == 3 {
+            let each: Vec<String> = tuned.iter().map(|(s, r)| format!("{s} {r:.2}×")).collect();
+            push(target, each.join(", "), judged(tuned.iter().all(|(_, r)| *r > 1.0)));
+        } else {
+            push(target, "not measured".into(), None);
+        }
+        let target = "ingest CPU per record ≤ 3× the parse floor";
+        let full_dumps = [INITIAL, IDENTICAL, CHURN, crate::reimport::CHURN_BACK];
+        let worst = self.parse_floor.as_ref().filter(|f| f.cpu_s_per_m > 0.0).and_then(|f| {
+            full_dumps
+                .iter()
+                .filter_map(|s| self.row(s, "shelfsync"))
+                .map(|r| r.ingest_cpu_s_per_m / f.cpu_s_per_m)
+                .max_by(f64::total_cmp)
+        });
+        match worst {
+            Some(w) => push(target, format!("at most {w:.2}× its floor"), Some(w <= 3.0)),
+            None => push(target, "not measured".into(), None),
+        }
+        let target = "identical re-import writes ≤ 1% as many Redis fields as it has records";
+        match self.row(IDENTICAL, "shelfsync") {
+            Some(r) => {
+                let share = r.redis_writes as f64 / r.records.max(1) as f64;
+                push(
+                    target,
+                    format!("{} for {} records ({:.2}%)", r.redis_writes, r.records, share * 100.0),
+                    Some(share <= 0.01),
+                );
+            }
+            None => push(target, "not measured".into(), None),
+        }
+        let target = "Redis memory ≤ 280 bytes per record";
+        match &self.redis_memory {
+            Some(m) => push(
+                target,
+                format!("{:.0} bytes per record", m.bytes_per_record),
+                Some(m.bytes_per_record <= 280.0),
+            ),
+            None => push(target, "not measured".into(), None),
+        }
     }
 
     pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
@@ -911,6 +977,64 @@ mod tests {
             out_over_in: changes as f64 * 400.0 / 240_000.0,
             ..Default::default()
         }
+    }
+
+    /// The peer's targets: ratios of the same imports in the same run, judged
+    /// only on durable servers; an unverified peer figure is not measured.
+    #[test]
+    fn peer_targets_are_same_run_ratios_on_durable_servers() {
+        use crate::reimport::{CHURN, IDENTICAL, INITIAL};
+        let ours = |s: &str, rps: f64, ingest: f64, writes: u64| ImportRow {
+            ingest_cpu_s_per_m: ingest,
+            redis_writes: writes,
+            ..row(s, "shelfsync", rps, 0)
+        };
+        let peer = |s: &str, v: &str, rps: Option<f64>| PeerImportRow {
+            scenario: s.into(),
+            variant: v.into(),
+            records_per_s: rps,
+            ..Default::default()
+        };
+        let report = |churn: f64, tuned_initial: Option<f64>, durable: bool| {
+            let mut r = Report {
+                durable,
+                imports: vec![
+                    ours(INITIAL, 120.0, 1.0, 1000),
+                    ours(IDENTICAL, 500.0, 1.2, 5),
+                    ours(CHURN, churn, 2.9, 20),
+                ],
+                parse_floor: Some(ParseFloor { cpu_s_per_m: 1.0, ..Default::default() }),
+                postgres: Some(PostgresPeer {
+                    imports: vec![
+                        peer(CHURN, "default", Some(100.0)),
+                        peer(INITIAL, "tuned", tuned_initial),
+                        peer(IDENTICAL, "tuned", Some(200.0)),
+                        peer(CHURN, "tuned", Some(150.0)),
+                    ],
+                    ..Default::default()
+                }),
+                redis_memory: Some(RedisMemory { bytes_per_record: 250.0, ..Default::default() }),
+                ..Default::default()
+            };
+            r.finish(Duration::from_secs(1));
+            r
+        };
+        let holds = |r: &Report, name: &str| {
+            r.targets.iter().find(|t| t.target.starts_with(name)).expect(name).holds
+        };
+        let good = report(310.0, Some(100.0), true);
+        assert_eq!(holds(&good, "1% churn re-import ≥ 3× PostgreSQL default"), Some(true));
+        assert_eq!(holds(&good, "ahead of PostgreSQL tuned"), Some(true));
+        assert_eq!(holds(&good, "ingest CPU per record ≤ 3×"), Some(true));
+        assert_eq!(holds(&good, "identical re-import writes ≤ 1%"), Some(true));
+        assert_eq!(holds(&good, "Redis memory ≤ 280"), Some(true));
+        let short = report(290.0, Some(130.0), true);
+        assert_eq!(holds(&short, "1% churn re-import ≥ 3× PostgreSQL default"), Some(false));
+        assert_eq!(holds(&short, "ahead of PostgreSQL tuned"), Some(false), "initial 0.92×");
+        let volatile = report(310.0, Some(100.0), false);
+        assert_eq!(holds(&volatile, "1% churn re-import ≥ 3× PostgreSQL default"), None);
+        let unverified = report(310.0, None, true);
+        assert_eq!(holds(&unverified, "ahead of PostgreSQL tuned"), None);
     }
 
     #[test]
