@@ -755,3 +755,51 @@ async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
     assert_eq!(commit(3, 4, 2).await, Commit::Done);
     assert_eq!(ids(store.outbox_peek(P, 256).await.expect("peek")), ["chg:0:4:0", "chg:0:4:1"]);
 }
+
+/// Outbox ids never repeat over a partition's life: a relay that lost its
+/// partition and trims what it peeked late (by ids) never deletes entries a
+/// later commit wrote, even when that commit comes within the same
+/// millisecond as the entries trimmed before it.
+#[tokio::test]
+async fn a_stale_trim_never_drops_a_later_commit_s_entries() {
+    use shelfsync_bus::Partition;
+    use shelfsync_storage::store::{Commit, Fence, Position, Writes};
+    let env = TestEnv::start().await.expect("servers");
+    let settings = settings_for(&env);
+    let connect = || shelfsync_storage::Store::connect(&settings.redis);
+    let (stale, owner) = (connect().await.expect("store"), connect().await.expect("store"));
+    const P: Partition = Partition(0);
+    let commit = |store: &shelfsync_storage::Store, from: u64, to: u64| {
+        let (store, outbox) = (store.clone(), outbox_entries(to, 2));
+        async move {
+            let fence = Fence { at: Position::at(from), stream: String::new() };
+            let writes = Writes { outbox: &outbox, ..Default::default() };
+            store.commit(P, &fence, &Position::at(to), &writes).await.expect("commit")
+        }
+    };
+    let mut seq = 0;
+    for round in 0..300 {
+        assert_eq!(commit(&owner, seq, seq + 1).await, Commit::Done);
+        // Both relays see the same two entries; the owner publishes and
+        // trims them, then commits again at once (the same millisecond,
+        // most rounds); the stale relay trims what it peeked, late.
+        assert_eq!(stale.outbox_peek(P, 256).await.expect("peek").len(), 2);
+        assert_eq!(owner.outbox_peek(P, 256).await.expect("peek").len(), 2);
+        owner.outbox_trim(P, 2).await.expect("trim");
+        assert_eq!(commit(&owner, seq + 1, seq + 2).await, Commit::Done);
+        stale.outbox_trim(P, 2).await.expect("stale trim");
+        let len = owner.outbox_len(P).await.expect("len");
+        assert_eq!(len, 2, "round {round}: a stale trim dropped unpublished entries");
+        seq += 2;
+        let left: Vec<String> = owner
+            .outbox_peek(P, 256)
+            .await
+            .expect("peek")
+            .into_iter()
+            .map(|e| e.msg_id)
+            .collect();
+        let expected = [format!("chg:0:{seq}:0"), format!("chg:0:{seq}:1")];
+        assert_eq!(left, expected, "round {round}");
+        owner.outbox_trim(P, 2).await.expect("trim");
+    }
+}

@@ -81,7 +81,13 @@ end
 /// their bytes never pass through Lua (which hashes every byte of every
 /// string it is given). Fenced, the script drops them; done, it makes them
 /// the outbox (KEYS[2]): by renaming the stream when the outbox is empty,
-/// as it is after every relay, else by appending them one by one.
+/// as it is after every relay, else by appending them one by one. The
+/// outbox's ids never repeat over its life, since a relay that lost the
+/// partition may still delete the ids it peeked: the stage's ids come from
+/// the clock, so it is renamed only when they all follow the outbox's last
+/// id (checked without reading an entry's bytes); when the clock has not
+/// moved on since the last entries (the same millisecond) or went back,
+/// the entries are appended instead, with ids that follow.
 ///
 /// Returns 0 when fenced, else the outbox's length, 1 when the staged
 /// entries became the outbox as they are (their ids kept) or 0, and then
@@ -89,6 +95,16 @@ end
 /// this commit's entries, the outbox holds exactly them, which the relay
 /// then publishes from memory instead of reading them back.
 const COMMIT_LUA: &str = r#"
+local function after_last(outbox, stage)
+  if redis.call('EXISTS', outbox) == 0 then return true end
+  local info = redis.call('XINFO', 'STREAM', outbox)
+  for j = 1, #info, 2 do
+    if info[j] == 'last-generated-id' then
+      return #redis.call('XRANGE', stage, '-', info[j + 1], 'COUNT', 1) == 0
+    end
+  end
+  return false
+end
 local function fenced()
   if ARGV[6] ~= '0' then redis.call('DEL', KEYS[5]) end
   return 0
@@ -104,7 +120,7 @@ redis.call('SET', KEYS[1], ARGV[2])
 if ARGV[4] == '' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[4]) end
 local kept, added = 0, {}
 if ARGV[6] ~= '0' then
-  if redis.call('XLEN', KEYS[2]) == 0 then
+  if redis.call('XLEN', KEYS[2]) == 0 and after_last(KEYS[2], KEYS[5]) then
     redis.call('RENAME', KEYS[5], KEYS[2])
     kept = 1
   else
