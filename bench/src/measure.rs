@@ -137,6 +137,11 @@ impl RedisInfo {
         self.num("used_cpu_user") + self.num("used_cpu_sys")
     }
 
+    /// CPU seconds of the server's children that ended (AOF rewrites, snapshots).
+    pub fn children_cpu_seconds(&self) -> f64 {
+        self.num("used_cpu_user_children") + self.num("used_cpu_sys_children")
+    }
+
     /// Keys modified (one per hash field, list element, ...): with snapshots off
     /// (`--save ""`) this counter only grows, so a delta counts Redis writes.
     pub fn writes(&self) -> f64 {

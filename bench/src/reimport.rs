@@ -221,5 +221,10 @@ async fn import_once(
         redis_bytes_in: (after.redis.num("total_net_input_bytes")
             - before.redis.num("total_net_input_bytes"))
         .max(0.0) as u64,
+        aof_rewrites: (after.redis.num("aof_rewrites") - before.redis.num("aof_rewrites")).max(0.0)
+            as u64,
+        redis_children_cpu_s_per_m: per_m(
+            after.redis.children_cpu_seconds() - before.redis.children_cpu_seconds(),
+        ),
     })
 }

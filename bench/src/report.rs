@@ -80,12 +80,17 @@ pub struct ImportRow {
     /// Keys modified in Redis (hash fields, list elements, ...).
     pub redis_writes: u64,
     pub redis_bytes_in: u64,
+    /// AOF rewrites Redis started by itself during the import (`auto-aof-rewrite-*`), and the
+    /// CPU of its children that ended meanwhile (not in `redis_cpu_s_per_m`, but on the cores).
+    pub aof_rewrites: u64,
+    pub redis_children_cpu_s_per_m: f64,
 }
 
 impl ImportRow {
     pub fn summary(&self) -> String {
         format!(
-            "{} / {}: {} records in {:.2} s e2e ({:.0}/s), {} changes, out/in {:.2}%, {} Redis writes",
+            "{} / {}: {} records in {:.2} s e2e ({:.0}/s), {} changes, out/in {:.2}%, {} Redis writes, \
+             {} AOF rewrites ({:.2} CPU s / 1M)",
             self.scenario,
             self.system,
             self.records,
@@ -93,7 +98,9 @@ impl ImportRow {
             self.records_per_s,
             self.changes,
             self.out_over_in * 100.0,
-            self.redis_writes
+            self.redis_writes,
+            self.aof_rewrites,
+            self.redis_children_cpu_s_per_m,
         )
     }
 }
@@ -707,6 +714,28 @@ impl Report {
                 let _ = writeln!(md, "{l}");
             }
         }
+        let rewrites: Vec<String> = self
+            .imports
+            .iter()
+            .filter(|r| r.aof_rewrites > 0)
+            .map(|r| {
+                format!(
+                    "{} / {}: {} ({} CPU s / 1M)",
+                    r.scenario,
+                    r.system,
+                    r.aof_rewrites,
+                    fmt_num(r.redis_children_cpu_s_per_m)
+                )
+            })
+            .collect();
+        if !rewrites.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nAOF rewrites Redis started during an import (the CPU of its forked child is not in \
+                 the Redis column): {}.",
+                rewrites.join("; ")
+            );
+        }
         if let Some(mem) = &self.redis_memory {
             let _ = writeln!(
                 md,
@@ -1109,6 +1138,26 @@ mod tests {
         assert!(md.contains("4 → 50.0; kept 4"), "{md}");
         assert!(md.contains("Parse floor") && md.contains("4000 records/s"), "{md}");
         assert_eq!(r.postgres.as_ref().map(|p| p.failures().len()), Some(1));
+    }
+
+    #[test]
+    fn aof_rewrites_during_an_import_are_listed_with_their_cpu() {
+        let quiet = Report {
+            imports: vec![row("identical re-import", "shelfsync", 300.0, 0)],
+            ..Default::default()
+        };
+        assert!(!quiet.markdown().contains("AOF rewrites"), "{}", quiet.markdown());
+        let r = Report {
+            imports: vec![ImportRow {
+                aof_rewrites: 3,
+                redis_children_cpu_s_per_m: 1.74,
+                ..row("initial import", "shelfsync", 300.0, 1000)
+            }],
+            ..Default::default()
+        };
+        let md = r.markdown();
+        assert!(md.contains("initial import / shelfsync: 3 (1.74 CPU s / 1M)"), "{md}");
+        assert!(r.imports[0].summary().ends_with("3 AOF rewrites (1.74 CPU s / 1M)"));
     }
 
     #[test]

@@ -170,8 +170,9 @@ def flag(command, name):
 
 
 def check_compose_durability(doc):
-    """One node of each: NATS fsyncs before acking, Redis fsyncs its AOF at every write and has
-    a maxmemory well under the container's memory limit, never evicting."""
+    """One node of each: NATS fsyncs before acking, Redis fsyncs its AOF at every write, takes no
+    RDB snapshots besides, and has a maxmemory well under the container's memory limit, never
+    evicting."""
     services = doc.get("services", {})
     errors = []
     image = services.get("nats", {}).get("image", "")
@@ -184,6 +185,8 @@ def check_compose_durability(doc):
     for key, want in (("appendonly", "yes"), ("appendfsync", "always"), ("maxmemory-policy", "noeviction")):
         if flag(cmd, key) != want:
             errors.append(f"redis: --{key} {want} (got {flag(cmd, key)})")
+    if flag(cmd, "save") != "":
+        errors.append(f'redis: --save "" (no RDB snapshots on top of the fsynced AOF; got {flag(cmd, "save")})')
     maxmemory, limit = flag(cmd, "maxmemory"), redis.get("mem_limit")
     if not maxmemory or not limit:
         errors.append("redis: --maxmemory and mem_limit must both be set")

@@ -464,6 +464,8 @@ def redis_errors(by):
     for k, v in (("appendonly", "yes"), ("appendfsync", "always"), ("maxmemory-policy", "noeviction")):
         if settings.get(k, "").strip() != v:
             errors.append(f"redis.conf: {k} {v}")
+    if settings.get("save", "").strip() != '""':
+        errors.append('redis.conf: save "" (no RDB snapshots on top of the fsynced AOF)')
     sts = by.get(("StatefulSet", "shelfsync-redis"))
     if sts is None:
         return errors + ["no StatefulSet shelfsync-redis"]

@@ -49,6 +49,16 @@ class DurabilityTest(unittest.TestCase):
         self.assertEqual(len(self.run_check(doc)), 1)
         core.FAILS.clear()
 
+    def test_redis_with_rdb_snapshots(self):
+        doc = yaml.safe_load((core.ROOT / "compose/compose.yaml").read_text())
+        cmd = doc["services"]["redis"]["command"]
+        self.assertEqual(flag(cmd, "save"), "")
+        cmd[cmd.index("--save") + 1] = "60 10000"
+        self.assertEqual(len(self.run_check(doc)), 1)
+        del cmd[cmd.index("--save"):cmd.index("--save") + 2]
+        self.assertEqual(len(self.run_check(doc)), 1, "Redis' default save points")
+        core.FAILS.clear()
+
 
 if __name__ == "__main__":
     unittest.main()

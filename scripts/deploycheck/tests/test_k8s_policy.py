@@ -104,6 +104,12 @@ class K8sPolicyTest(unittest.TestCase):
         cm["data"]["redis.conf"] = cm["data"]["redis.conf"].replace("appendfsync always", "appendfsync everysec")
         self.assertIn("redis.conf: appendfsync always", self.errors(docs, "k8s/overlays/prod"))
 
+    def test_redis_with_rdb_snapshots(self):
+        docs = rendered("k8s/overlays/prod")
+        cm = find(docs, "ConfigMap", "shelfsync-redis-config")
+        cm["data"]["redis.conf"] = cm["data"]["redis.conf"].replace('save ""', "save 60 10000")
+        self.assertIn('redis.conf: save ""', self.errors(docs, "k8s/overlays/prod"))
+
     def test_streams_larger_than_the_account(self):
         docs = rendered("k8s/overlays/dev")
         env = find(docs, "ConfigMap", "shelfsync-env")
