@@ -791,13 +791,8 @@ async fn a_stale_trim_never_drops_a_later_commit_s_entries() {
         let len = owner.outbox_len(P).await.expect("len");
         assert_eq!(len, 2, "round {round}: a stale trim dropped unpublished entries");
         seq += 2;
-        let left: Vec<String> = owner
-            .outbox_peek(P, 256)
-            .await
-            .expect("peek")
-            .into_iter()
-            .map(|e| e.msg_id)
-            .collect();
+        let left: Vec<String> =
+            owner.outbox_peek(P, 256).await.expect("peek").into_iter().map(|e| e.msg_id).collect();
         let expected = [format!("chg:0:{seq}:0"), format!("chg:0:{seq}:1")];
         assert_eq!(left, expected, "round {round}");
         owner.outbox_trim(P, 2).await.expect("trim");
