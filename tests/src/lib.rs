@@ -12,6 +12,7 @@
 //!   child processes, signals;
 //! - [`http`]: HTTP requests to a service and its metrics;
 //! - [`otlp`]: an in-process OTLP receiver over TLS;
+//! - [`outbox`]: storage's outbox at the store, committed directly;
 //! - [`tls`]: test certificates;
 //! - [`stack`]: servers, settings, a harness and storage started together,
 //!   with an importer for the tests that go through ingest.
@@ -29,6 +30,7 @@ pub mod http;
 pub mod mirror;
 pub mod model;
 pub mod otlp;
+pub mod outbox;
 pub mod processes;
 pub mod stack;
 pub mod tls;
@@ -37,6 +39,7 @@ pub use harness::{Harness, count_by_key, decode_product, patch, product, publish
 pub use http::{http_get, metric_value};
 pub use mirror::{FeedMirror, RunningFeed, tail_from_start};
 pub use model::{Churn, Observed, RecordId, SerialModel, observed};
+pub use outbox::{commit_outbox, outbox_entries};
 pub use processes::{
     InProcessStorage, Running, Shutdown, StorageProcess, cli, cli_ok, pid_with_arg, signal, spawn,
     spawn_with,

@@ -52,8 +52,7 @@ fn signed_by_the_ca(dir: &Path, subject: &str, files: [&str; 3], extensions: (&s
     let p = |f: &str| dir.join(f).display().to_string();
     let [key, request, cert] = files.map(p);
     openssl(&[
-        "req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", &key, "-out",
-        &request,
+        "req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", &key, "-out", &request,
     ]);
     let (ext_file, ext) = extensions;
     std::fs::write(p(ext_file), ext).expect("ext");

@@ -22,12 +22,11 @@ use prost::Message;
 use shelfsync_bus::{Partition, partition_of};
 use shelfsync_feed::{Bootstrap, ChangeFeed, FeedConfig, Handler, HandlerError, Update};
 use shelfsync_proto::{
-    ChangeKind, Command, CommandBatch, CommandKind, Origin, OutboxEntry, Record, RecordKey,
-    msg_type,
+    ChangeKind, Command, CommandBatch, CommandKind, Origin, Record, RecordKey, msg_type,
 };
 use shelfsync_settings::Settings;
 use shelfsync_storage::Store;
-use shelfsync_storage::store::{Commit, Fence, Keys, Position, Writes};
+use shelfsync_storage::store::{Commit, Keys};
 use shelfsync_testkit::{NatsCluster, NatsServer, RedisCluster, unique_name};
 use shelfsync_tests::*;
 
@@ -264,7 +263,6 @@ impl Handler for Mirror {
         Ok(())
     }
 }
-
 
 fn same_records(a: &HashMap<Key, Record>, b: &HashMap<Key, Record>) -> Result<(), String> {
     if a.len() != b.len() {
@@ -612,19 +610,6 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
     );
 }
 
-/// Two entries of an outbox, as a commit writes them.
-fn outbox_entries(seq: u64) -> Vec<OutboxEntry> {
-    (0..2)
-        .map(|part| OutboxEntry {
-            subject: "x".into(),
-            msg_id: format!("chg:0:{seq}:{part}"),
-            payload: vec![1, 2, 3].into(),
-            msg_type: msg_type::CHANGE_BATCH.into(),
-            ..Default::default()
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_owners_are_fenced_and_duplicate_nothing() {
     // One message per place and round: 1000 commands of ~600 bytes, so a
@@ -645,14 +630,7 @@ async fn overlapping_owners_are_fenced_and_duplicate_nothing() {
     let (a, b) =
         (Store::connect(&fence_cfg).await.unwrap(), Store::connect(&fence_cfg).await.unwrap());
     const P0: Partition = Partition(0);
-    let commit = |store: &Store, from: u64, to: u64| {
-        let (store, outbox) = (store.clone(), outbox_entries(to));
-        async move {
-            let fence = Fence { at: Position::at(from), stream: String::new() };
-            let writes = Writes { outbox: &outbox, ..Default::default() };
-            store.commit(P0, &fence, &Position::at(to), &writes).await.unwrap()
-        }
-    };
+    let commit = |store, from: u64, to: u64| commit_outbox(store, P0, from, to, 2);
     assert_eq!(commit(&a, 0, 5).await, Commit::Done);
     assert_eq!(commit(&b, 0, 6).await, Commit::Fenced);
     assert_eq!((a.applied_seq(P0).await.unwrap(), a.outbox_len(P0).await.unwrap()), (5, 2));

@@ -685,19 +685,6 @@ fn settings_partitions(h: &Harness) -> u32 {
     h.settings.storage.partitions
 }
 
-/// Outbox entries as a commit writes them: `n` of them for `seq`.
-fn outbox_entries(seq: u64, n: u32) -> Vec<shelfsync_proto::OutboxEntry> {
-    (0..n)
-        .map(|part| shelfsync_proto::OutboxEntry {
-            subject: "x".into(),
-            msg_id: format!("chg:0:{seq}:{part}"),
-            payload: vec![part as u8; 3].into(),
-            msg_type: shelfsync_proto::msg_type::CHANGE_BATCH.into(),
-            ..Default::default()
-        })
-        .collect()
-}
-
 /// The outbox at the store, with no storage running: a commit's entries are
 /// staged outside the commit script; a commit that finds the outbox not
 /// empty appends to it in order, a fenced one leaves nothing behind, and an
@@ -705,19 +692,12 @@ fn outbox_entries(seq: u64, n: u32) -> Vec<shelfsync_proto::OutboxEntry> {
 #[tokio::test]
 async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
     use shelfsync_bus::Partition;
-    use shelfsync_storage::store::{Commit, Fence, Position, Writes};
+    use shelfsync_storage::store::Commit;
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
     let store = shelfsync_storage::Store::connect(&settings.redis).await.expect("store");
     const P: Partition = Partition(0);
-    let commit = |from: u64, to: u64, n: u32| {
-        let (store, outbox) = (store.clone(), outbox_entries(to, n));
-        async move {
-            let fence = Fence { at: Position::at(from), stream: String::new() };
-            let writes = Writes { outbox: &outbox, ..Default::default() };
-            store.commit(P, &fence, &Position::at(to), &writes).await.expect("commit")
-        }
-    };
+    let commit = |from: u64, to: u64, n: u32| commit_outbox(&store, P, from, to, n);
     let ids = |entries: Vec<shelfsync_proto::OutboxEntry>| -> Vec<String> {
         entries.into_iter().map(|e| e.msg_id).collect()
     };
@@ -763,20 +743,13 @@ async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
 #[tokio::test]
 async fn a_stale_trim_never_drops_a_later_commit_s_entries() {
     use shelfsync_bus::Partition;
-    use shelfsync_storage::store::{Commit, Fence, Position, Writes};
+    use shelfsync_storage::store::Commit;
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
     let connect = || shelfsync_storage::Store::connect(&settings.redis);
     let (stale, owner) = (connect().await.expect("store"), connect().await.expect("store"));
     const P: Partition = Partition(0);
-    let commit = |store: &shelfsync_storage::Store, from: u64, to: u64| {
-        let (store, outbox) = (store.clone(), outbox_entries(to, 2));
-        async move {
-            let fence = Fence { at: Position::at(from), stream: String::new() };
-            let writes = Writes { outbox: &outbox, ..Default::default() };
-            store.commit(P, &fence, &Position::at(to), &writes).await.expect("commit")
-        }
-    };
+    let commit = |store, from: u64, to: u64| commit_outbox(store, P, from, to, 2);
     let mut seq = 0;
     for round in 0..300 {
         assert_eq!(commit(&owner, seq, seq + 1).await, Commit::Done);
