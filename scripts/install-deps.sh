@@ -4,7 +4,8 @@
 #
 #   C toolchain         build-essential and pkg-config (Debian) when there is no `cc`: ring
 #                       compiles C code
-#   Rust                checked, not installed: rustup's cargo >= 1.91 (Debian's is too old)
+#   Rust                checked, not installed: rustup's cargo >= 1.91 (Debian's is too old); its
+#                       rustfmt and clippy components are added when missing
 #   curl                (Debian) the demo talks HTTP to the services with it
 #   redis-server >= 7   SHELFSYNC_REDIS_SERVER, else the one on PATH, else Debian's package;
 #                       an older one is refused (Ubuntu 22.04 ships 6.0)
@@ -128,6 +129,13 @@ rust=$(rustc --version 2>/dev/null | sed -n 's/^rustc \([0-9]*\.[0-9]*\).*/\1/p'
 if [ -z "$rust" ] || [ "$(printf '%s\n%s\n' "$MIN_RUST" "$rust" | sort -V | head -1)" != "$MIN_RUST" ]; then
   die "rustc ${rust:-?} is older than $MIN_RUST: rustup update stable"
 fi
+# The house rules (scripts/test.sh runs both): rustup's minimal profile leaves them out.
+for tool in rustfmt:rustfmt clippy:cargo-clippy; do
+  if ! command -v "${tool#*:}" >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
+    log "adding the ${tool%%:*} component"
+    rustup component add "${tool%%:*}" >&2
+  fi
+done
 
 missing=()
 command -v cc >/dev/null 2>&1 || missing+=(build-essential pkg-config)

@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 NATS=$(scripts/install-deps.sh)
 export SHELFSYNC_NATS_SERVER="$NATS"
 
+# The house rules, checked first: a rule CI does not check drifts within days.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
 # Binaries first: crash tests run the real shelfsync-storage.
 cargo build --workspace --bins
 if cargo nextest --version >/dev/null 2>&1; then

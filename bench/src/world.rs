@@ -112,7 +112,9 @@ impl World {
     }
 
     pub async fn provision(&self, settings: &Settings) -> anyhow::Result<()> {
-        shelfsync_bus::provision(&self.js, &settings.nats, settings.topology()).await.context("provisioning streams")
+        shelfsync_bus::provision(&self.js, &settings.nats, settings.topology())
+            .await
+            .context("provisioning streams")
     }
 
     pub async fn redis_info(&self) -> anyhow::Result<RedisInfo> {

@@ -405,14 +405,18 @@ async fn a_batch_applied_twice_publishes_once() {
     );
     assert_eq!(twice.len(), 6, "{twice:?}");
     assert_eq!(card(&agg).await, (Some(250), 2, Some((7, 2))));
-    assert_eq!(agg.store().categories(PlaceKey::new(8, 1)).await.expect("read"), Vec::<String>::new());
+    assert_eq!(
+        agg.store().categories(PlaceKey::new(8, 1)).await.expect("read"),
+        Vec::<String>::new()
+    );
     assert_eq!(agg.store().categories(PlaceKey::new(7, 2)).await.expect("read"), ["peonies"]);
 
     // A reload of a place with the same snapshot, a second aggregator on the
     // same Redis (as after a restart): nothing to publish. A record no
     // longer in the snapshot (purged) is forgotten when the next live
     // change shows the snapshot complete.
-    let mut restarted = Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("again");
+    let mut restarted =
+        Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("again");
     restarted.reset_place(PlaceKey::new(7, 2)).await.expect("reset");
     restarted
         .apply(&[version(7, 2, "peony", &offer(250, 1, "peonies"), 11, UpdateKind::Snapshot)])
@@ -502,7 +506,9 @@ async fn a_failed_publish_is_retried_and_a_repeated_one_is_deduplicated() {
     let err = agg.apply(&batch).await.expect_err("nothing can be published");
     assert!(matches!(err, shelfsync_feed::HandlerError::Transient(_)), "{err}");
     assert_eq!(agg.store().card(&id).await.expect("read"), None, "not recorded as published");
-    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology()).await.expect("stream back");
+    shelfsync_bus::provision(&h.js, &settings.nats, settings.topology())
+        .await
+        .expect("stream back");
     agg.apply(&batch).await.expect("the redelivered batch");
     let changes = aggregate_changes(&h).await;
     assert_eq!(card_events(&changes, "peony"), [(Some(300), 1, Some((7, 1)))]);
@@ -532,7 +538,8 @@ async fn a_failed_publish_is_retried_and_a_repeated_one_is_deduplicated() {
     pipe.cmd("SADD").arg(agg.store().keys().dirty()).arg(dirty.encode()).ignore();
     pipe.query_async::<()>(&mut redis).await.expect("rewind");
 
-    let restarted = Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("again");
+    let restarted =
+        Aggregator::connect(&Config::from(&settings), h.client.clone()).await.expect("again");
     restarted.recover().await.expect("recover");
     assert_eq!(aggregate_changes(&h).await.len(), before_crash.len(), "deduplicated");
     let card = restarted.store().card(&id).await.expect("read").expect("card");

@@ -131,7 +131,8 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
     h.wait_settled().await;
     assert!(h.get(BRAND, place, "after").await.expect("get").is_some(), "the partition went on");
     let rejections = h.rejections().await.expect("rejections");
-    let r = rejections.iter().find(|r| r.reason == "too_large").expect("the rejection is published");
+    let r =
+        rejections.iter().find(|r| r.reason == "too_large").expect("the rejection is published");
     assert_eq!(r.key, Some(RecordKey::new(BRAND, place, "huge")));
     assert!(r.detail.contains("reduced"), "{}", r.detail);
     assert!(r.command.as_ref().is_some_and(|c| c.data.is_empty()), "the command's data left out");
@@ -203,7 +204,10 @@ async fn a_purge_on_a_stale_position_writes_nothing() {
     let stale = Fence { at: Position::at(applied - 1), stream: String::new() };
     let purged = h.store.purge_tombstones(p, &stale, far_future, 1000).await.expect("redis");
     assert_eq!(purged, None, "fenced");
-    assert!(h.get(BRAND, place, "gone").await.expect("get").is_some(), "the tombstone is still there");
+    assert!(
+        h.get(BRAND, place, "gone").await.expect("get").is_some(),
+        "the tombstone is still there"
+    );
     let current = Fence { at: Position::at(applied), stream: String::new() };
     let purged = h.store.purge_tombstones(p, &current, far_future, 1000).await.expect("redis");
     assert_eq!(purged, Some(1));
@@ -215,9 +219,8 @@ async fn a_commit_is_neither_published_nor_acked_before_a_redis_replica_has_it()
     let nats = NatsServer::start().await.expect("nats");
     let primary = RedisServer::start().await.expect("redis");
     let port = primary.port().to_string();
-    let replica = RedisServer::start_with_args(&["--replicaof", "127.0.0.1", &port])
-        .await
-        .expect("replica");
+    let replica =
+        RedisServer::start_with_args(&["--replicaof", "127.0.0.1", &port]).await.expect("replica");
     let env = TestEnv::with_servers(nats, primary);
     let Stack { h, storage: _storage, env: _env, .. } = Stack::on(env, |s| {
         s.redis.wait_replicas = 1;

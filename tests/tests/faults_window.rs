@@ -59,7 +59,11 @@ impl Run {
         assert_eq!(on_stream, self.model.changes, "every change on the stream once, none twice");
         self.mirror.assert_mirrors(&self.feed, &self.h, &self.model, BRAND, &PLACES).await;
         let status = self.feed.stop().await.status();
-        assert_eq!(shelfsync_feed::FeedStatus::get(&status.duplicates), 0, "no copy reached the kit");
+        assert_eq!(
+            shelfsync_feed::FeedStatus::get(&status.duplicates),
+            0,
+            "no copy reached the kit"
+        );
     }
 }
 

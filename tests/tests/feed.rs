@@ -26,7 +26,6 @@ async fn start_bootstrapped_feed(h: &Harness, name: &str, replica: Replica) -> R
     running
 }
 
-
 async fn write(h: &Harness, places: &[i64], items: usize, price_base: i64) {
     let mut cmds = Vec::new();
     for &p in places {

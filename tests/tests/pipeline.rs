@@ -1,7 +1,6 @@
 //! The whole pipeline — partner feed → ingest → command stream → storage →
 //! change stream — on real servers, through the importer users run.
 
-
 use shelfsync_proto::{ChangeKind, product_field};
 use shelfsync_settings::{ImportKind, PartnerSettings};
 use shelfsync_tests::*;

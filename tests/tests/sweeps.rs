@@ -103,18 +103,22 @@ async fn a_place_whose_every_item_is_rejected_is_not_swept_until_the_operator_sa
         (held.place_id, held.reason.as_str(), held.accepted, held.live, held.would_mark_absent),
         (1, "no_item_accepted", 0, 300, 300)
     );
-    assert!(broken.render().contains("HELD       place 1: no_item_accepted"), "{}", broken.render());
-    let notice = w
-        .h
-        .rejections()
-        .await
-        .expect("rejections")
-        .into_iter()
-        .find(|r| r.reason == "sweep_held")
-        .expect("a sweep_held notice on the REJECTS stream");
+    assert!(
+        broken.render().contains("HELD       place 1: no_item_accepted"),
+        "{}",
+        broken.render()
+    );
+    let notice =
+        w.h.rejections()
+            .await
+            .expect("rejections")
+            .into_iter()
+            .find(|r| r.reason == "sweep_held")
+            .expect("a sweep_held notice on the REJECTS stream");
     assert_eq!(notice.sweep.as_ref().map(|o| o.candidates), Some(300));
     let metrics = shelfsync_telemetry::render_metrics();
-    let held_metric = metric_value(&metrics, "shelfsync_sweeps_held_total", r#"reason="no_item_accepted""#);
+    let held_metric =
+        metric_value(&metrics, "shelfsync_sweeps_held_total", r#"reason="no_item_accepted""#);
     assert!(held_metric.is_some_and(|n| n >= 1.0), "counted in a metric");
     let listed = cli_ok(&w.settings, &["sweeps"]).await.expect("shelfsync sweeps");
     assert!(listed.contains(&broken.import_id) && listed.contains("no_item_accepted"), "{listed}");
@@ -208,7 +212,9 @@ async fn large_sweep(records: usize, storage_bin: Option<String>) {
     let _in_process;
     let _child;
     match &storage_bin {
-        None => _in_process = Some(InProcessStorage::start(settings.clone()).await.expect("storage")),
+        None => {
+            _in_process = Some(InProcessStorage::start(settings.clone()).await.expect("storage"))
+        }
         Some(bin) => {
             let mut cmd = std::process::Command::new(bin);
             cmd.envs(shelfsync_testkit::settings_env(&settings)).env("RUST_LOG", "warn");

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use shelfsync_ingest::{ImportError, ImportReport, ImportConfig, Importer, Progress, Source};
+use shelfsync_ingest::{ImportConfig, ImportError, ImportReport, Importer, Progress, Source};
 use shelfsync_settings::PartnerSettings;
 
 use crate::{CliError, Context};

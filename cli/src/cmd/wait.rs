@@ -29,7 +29,8 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
         let mut outbox = 0;
         if queued == 0 {
             for p in 0..partitions {
-                outbox += store.outbox_len(shelfsync_bus::Partition(p)).await.context("outbox depth")?;
+                outbox +=
+                    store.outbox_len(shelfsync_bus::Partition(p)).await.context("outbox depth")?;
             }
             if outbox == 0 {
                 eprintln!("settled: no command queued, every outbox empty");

@@ -420,7 +420,8 @@ pub fn master_card(id: &CardId, offers: u64, cheapest: Option<&Cheapest>) -> Mas
         product_id: id.product_id.clone(),
         min_price: cheapest.map(|c| c.price),
         offers: u32::try_from(offers).unwrap_or(u32::MAX),
-        cheapest: cheapest.map(|c| RecordKey::new(c.place.brand_id, c.place.place_id, id.product_id.clone())),
+        cheapest: cheapest
+            .map(|c| RecordKey::new(c.place.brand_id, c.place.place_id, id.product_id.clone())),
         currency: cheapest.and_then(|c| c.currency.clone()),
     }
 }

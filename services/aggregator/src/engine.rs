@@ -33,10 +33,10 @@ use shelfsync_proto::{AggregateChange, CategoryFlip, msg_type, now_us};
 use tokio::sync::Mutex;
 use tracing::{Instrument, debug, info_span};
 
+use crate::Config;
 use crate::aggregate::{
     self, Action, CardChange, Directory, Flip, Item, PlaceKey, Reload, card_msg_id, flip_msg_id,
 };
-use crate::Config;
 use crate::metrics;
 use crate::store::{Store, StoreError};
 
@@ -317,8 +317,7 @@ impl Aggregator {
         let status = Arc::new(Status::default());
         // A retracted card's version must outlive the duplicate window, or a
         // re-created card could reuse the id of an earlier change.
-        let retracted_ttl =
-            (config.nats.duplicate_window * 2).max(Duration::from_secs(24 * 3600));
+        let retracted_ttl = (config.nats.duplicate_window * 2).max(Duration::from_secs(24 * 3600));
         let engine = Engine {
             store: store.clone(),
             publisher: Publisher::new(js, config.nats.max_inflight),

@@ -163,7 +163,9 @@ async fn push(
             return error(StatusCode::INTERNAL_SERVER_ERROR, format!("credentials check: {e}"));
         }
     }
-    let (Some(partner), Some(lock)) = (app.partners.iter().find(|p| p.name == name), app.locks.get(&name)) else {
+    let (Some(partner), Some(lock)) =
+        (app.partners.iter().find(|p| p.name == name), app.locks.get(&name))
+    else {
         return app.auth.refuse(remote, &name, Refusal::UnknownPartner);
     };
     let max = partner.push_limit(&app.ingest);

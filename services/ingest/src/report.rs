@@ -214,9 +214,10 @@ impl ImportError {
             FeedError::BrandMismatch { expected, found } => {
                 ImportError::BrandMismatch { expected, found }
             }
-            FeedError::Io(e) => ImportError::Source { what: what.into(), detail: chain(&e).to_string() },
+            FeedError::Io(e) => {
+                ImportError::Source { what: what.into(), detail: chain(&e).to_string() }
+            }
             FeedError::Stopped => ImportError::Internal("the parse was stopped".into()),
         }
     }
 }
-

@@ -79,7 +79,8 @@ pub(crate) async fn open(
     let failed = |detail: String| ImportError::Source { what: what.clone(), detail };
     match source {
         Source::File(path) => {
-            let file = tokio::fs::File::open(&path).await.map_err(|e| failed(chain(&e).to_string()))?;
+            let file =
+                tokio::fs::File::open(&path).await.map_err(|e| failed(chain(&e).to_string()))?;
             Ok(Opened::Feed(Box::new(file.into_std().await), Validators::default()))
         }
         Source::Stream(stream) => {
@@ -102,7 +103,8 @@ pub(crate) async fn open(
                 return Err(failed(format!("HTTP status {status}")));
             }
             let fresh = validators(response.headers());
-            let body = response.bytes_stream().map_err(|e| std::io::Error::other(chain(&e).to_string()));
+            let body =
+                response.bytes_stream().map_err(|e| std::io::Error::other(chain(&e).to_string()));
             let body: Pin<Box<dyn futures::Stream<Item = _> + Send>> = Box::pin(body);
             Ok(Opened::Feed(Box::new(SyncIoBridge::new(StreamReader::new(body))), fresh))
         }

@@ -208,7 +208,8 @@ mod tests {
             ])
             .await
             .expect("apply");
-        let ids: Vec<String> = picks.of_place(PlaceKey::new(7, 1)).into_iter().map(|p| p.product_id).collect();
+        let ids: Vec<String> =
+            picks.of_place(PlaceKey::new(7, 1)).into_iter().map(|p| p.product_id).collect();
         assert_eq!(ids, ["half", "tenth"]);
         assert_eq!(picks.of_place(PlaceKey::new(7, 1))[0].discount_pct, 50.0);
         // Selling out removes a pick; a reset forgets the place.

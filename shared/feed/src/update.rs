@@ -2,7 +2,9 @@
 //! its `Product` and `RecordState`.
 
 use prost::Message;
-use shelfsync_proto::{Change, ChangeKind, Origin, PlaceKey, Product, Record, RecordKey, RecordState};
+use shelfsync_proto::{
+    Change, ChangeKind, Origin, PlaceKey, Product, Record, RecordKey, RecordState,
+};
 
 /// Where an update comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

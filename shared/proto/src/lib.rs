@@ -14,8 +14,8 @@ pub mod v1 {
 pub mod json;
 mod place;
 
-pub use prost::Message;
 pub use place::PlaceKey;
+pub use prost::Message;
 pub use v1::*;
 
 /// Now, as the contract's timestamps count time: microseconds since the

@@ -168,7 +168,10 @@ fn bad_values_have_clear_errors() {
             "unknown field `push_tokens`",
         ),
         ("[ingest]\nimport_lease_ttl = \"500ms\"", "ingest.import_lease_ttl"),
-        ("[ingest]\ncompression = \"zstd\"", "ingest.compression: \"zstd\" is not one of \"lz4\", \"none\""),
+        (
+            "[ingest]\ncompression = \"zstd\"",
+            "ingest.compression: \"zstd\" is not one of \"lz4\", \"none\"",
+        ),
     ];
     for (text, needle) in cases {
         let err = Settings::from_toml(text).expect_err(text).to_string();

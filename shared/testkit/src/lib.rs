@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use shelfsync_settings::Settings;
 
-pub use bins::{nats_server_bin, redis_cli_bin, redis_server_bin, stdout_of_success, workspace_bin};
+pub use bins::{
+    nats_server_bin, redis_cli_bin, redis_server_bin, stdout_of_success, workspace_bin,
+};
 pub use cluster::{NatsCluster, RedisCluster};
 pub use env::settings_env;
 pub use nats::NatsServer;
