@@ -207,7 +207,7 @@ async fn send_commands(
 ) -> anyhow::Result<()> {
     let partition = partition_of(brand, place, 4);
     batch.partition = partition.0;
-    let subject = Subjects::new(&env.prefix).cmd(partition);
+    let subject = Subjects::new(&env.prefix).cmd_for(partition, !batch.sweeps.is_empty());
     publish(js, subject, msg_type::COMMAND_BATCH, batch.encode_to_vec()).await
 }
 

@@ -86,7 +86,9 @@ CHG_FILTER = f"{PREFIX}.changes.*.*"
 
 
 def consumer_api(stream, name, filt):
-    return [f"$JS.API.CONSUMER.INFO.{stream}.{name}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filt}",
+    """`filt` None: a consumer with several filter subjects, created on the subject without one."""
+    create = f"$JS.API.CONSUMER.CREATE.{stream}.{name}" + (f".{filt}" if filt else "")
+    return [f"$JS.API.CONSUMER.INFO.{stream}.{name}", create,
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.{ACK}"]
 
 
@@ -116,7 +118,7 @@ MATRIX = {
     ),
     "ingest": dict(
         pub_ok=["$JS.API.INFO", f"$JS.API.STREAM.INFO.{CMD}", f"$JS.API.STREAM.INFO.{REJ}",
-                f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.63", f"{PREFIX}.rejects.7.0"],
+                f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.63", f"{PREFIX}.cmd.63.sweep", f"{PREFIX}.rejects.7.0"],
         pub_no=[f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.aggregates.cards.north",
                 f"{PREFIX}.ctl.keyframe", f"$JS.API.STREAM.CREATE.{CMD}", f"$JS.API.STREAM.DELETE.{CMD}",
                 f"$JS.API.STREAM.PURGE.{CMD}", f"$JS.API.CONSUMER.CREATE.{CMD}.storage-p0.{PREFIX}.cmd.0",
@@ -126,7 +128,7 @@ MATRIX = {
     ),
     "storage": dict(
         pub_ok=["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{s}" for s in (CMD, CHG, KF, AGG, REJ) for op in ("INFO", "UPDATE")),
-                *consumer_api(CMD, "storage-p5", f"{PREFIX}.cmd.5"), f"$JS.API.STREAM.PURGE.{KF}",
+                *consumer_api(CMD, "storage-p5", None), f"$JS.API.STREAM.PURGE.{KF}",
                 f"$JS.API.DIRECT.GET.{CMD}",  # reading ahead of the delivered command message
                 f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42"],
         pub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.aggregates.cards.north", f"$JS.API.STREAM.CREATE.{CMD}",
@@ -140,9 +142,9 @@ MATRIX = {
     "validator": dict(
         pub_ok=["$JS.API.INFO", f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, "validator", CHG_FILTER),
                 *KF_READ, f"{PREFIX}.cmd.17"],
-        pub_no=[f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42",
+        pub_no=[f"{PREFIX}.cmd.17.sweep", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42",
                 f"{PREFIX}.aggregates.cards.north", f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
-                *consumer_takeover(CHG, "aggregator", CHG_FILTER), *consumer_takeover(CMD, "storage-p0", f"{PREFIX}.cmd.0"),
+                *consumer_takeover(CHG, "aggregator", CHG_FILTER), *consumer_takeover(CMD, "storage-p0", None),
                 f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.STREAM.CREATE.{CHG}", "_INBOX.unsolicited"],
         sub_ok=["_INBOX.x.y"],
         sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get"],
@@ -165,7 +167,7 @@ MATRIX = {
         pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
                 f"{PREFIX}.aggregates.cards.north", *consumer_takeover(CHG, "validator", CHG_FILTER),
                 *consumer_takeover(CHG, "aggregator", CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
-                f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator", *consumer_takeover(CMD, "storage-p0", f"{PREFIX}.cmd.0"),
+                f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator", *consumer_takeover(CMD, "storage-p0", None),
                 f"$JS.API.STREAM.PURGE.{KF}", "_INBOX.unsolicited"],
         sub_ok=["_INBOX.x.y", (f"{PREFIX}.recommend.top", "recommender")],
         sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get"],

@@ -87,17 +87,24 @@ impl Harness {
         self.send_batch(p, &batch).await
     }
 
+    /// Publishes `batch` where its producer would: on the partition's sweep
+    /// subject when it carries sweeps.
     pub async fn send_batch(&self, p: Partition, batch: &CommandBatch) -> anyhow::Result<()> {
-        self.send_raw(p, batch.encode_to_vec()).await
+        let subject = self.subjects.cmd_for(p, !batch.sweeps.is_empty());
+        self.send_raw_to(subject, batch.encode_to_vec()).await
     }
 
     pub async fn send_raw(&self, p: Partition, payload: Vec<u8>) -> anyhow::Result<()> {
+        self.send_raw_to(self.subjects.cmd(p), payload).await
+    }
+
+    pub async fn send_raw_to(&self, subject: String, payload: Vec<u8>) -> anyhow::Result<()> {
         let n = self.msg_counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let msg = jetstream::message::PublishMessage::build()
             .payload(payload.into())
             .message_id(format!("test:{n}"))
             .header(shelfsync_bus::TYPE_HEADER, msg_type::COMMAND_BATCH);
-        self.js.send_publish(self.subjects.cmd(p), msg).await?.await?;
+        self.js.send_publish(subject, msg).await?.await?;
         Ok(())
     }
 
@@ -269,7 +276,7 @@ impl Harness {
         for (i, b) in batches.iter().enumerate() {
             publish_until_acked(
                 &self.js,
-                &self.subjects.cmd(Partition(b.partition)),
+                &self.subjects.cmd_for(Partition(b.partition), !b.sweeps.is_empty()),
                 &format!("{tag}:{i}"),
                 msg_type::COMMAND_BATCH,
                 b.encode_to_vec(),

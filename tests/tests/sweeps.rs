@@ -188,6 +188,53 @@ async fn a_small_healthy_import_sweeps_as_before() {
     assert!(gone.absent);
 }
 
+/// A sweep is only taken from the partition's sweep subject, which only
+/// ingest and the CLI may publish to: the same sweep sent on the command
+/// subject (what a validator or any command producer may publish to) marks
+/// nothing, is refused with `sweep_forbidden`, and the commands of its
+/// message still apply.
+#[tokio::test]
+async fn a_sweep_that_does_not_come_on_the_sweep_subject_is_refused() {
+    let w = start().await;
+    let first = w.import(&feed(&[(1, 0..20, false)])).await;
+    assert_eq!(w.live(1, 20).await, 20);
+    let p = w.h.partition(BRAND, 1);
+    let forged = shelfsync_proto::CommandBatch {
+        partition: p.0,
+        commands: vec![patch(BRAND, 1, "sku-extra", &product("Tulips", 5, 1), 0)],
+        sweeps: vec![shelfsync_proto::Sweep {
+            brand_id: BRAND,
+            place_id: 1,
+            // A generation above every record's: all 20 would go.
+            generation: first.generation + 1,
+            source: "forged".into(),
+            import_id: "forged-1".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    w.h.send_raw(p, prost::Message::encode_to_vec(&forged)).await.expect("publish");
+    w.h.wait_settled().await;
+    assert_eq!(w.live(1, 20).await, 20, "a sweep off its subject marks nothing");
+    let extra = w.h.get(BRAND, 1, "sku-extra").await.expect("get");
+    assert!(extra.is_some_and(|r| !r.absent), "the message's command applied");
+    let refused: Vec<_> =
+        w.h.rejections()
+            .await
+            .expect("rejections")
+            .into_iter()
+            .filter(|r| r.reason == "sweep_forbidden")
+            .collect();
+    assert_eq!(refused.len(), 1, "{refused:#?}");
+    assert_eq!(refused[0].origin.as_ref().map(|o| o.import_id.as_str()), Some("forged-1"));
+    // The same sweep where sweeps belong is applied.
+    w.h.send_batch(p, &shelfsync_proto::CommandBatch { commands: vec![], ..forged })
+        .await
+        .expect("publish");
+    w.h.wait_settled().await;
+    assert_eq!(w.live(1, 20).await, 0, "on the sweep subject it is a sweep like any other");
+}
+
 /// A 200 000-record place swept to absent, in steps, while another
 /// partition takes live changes one message at a time; the longest commit
 /// of that other partition is printed (and kept in docs/RELIABILITY.md).

@@ -331,7 +331,9 @@ async fn redrive_command(
             r.raw.len()
         );
     }
-    let from_batch = CommandBatch::decode(r.raw.as_slice()).ok().map(|b| b.partition);
+    let decoded = CommandBatch::decode(r.raw.as_slice()).ok();
+    let has_sweeps = decoded.as_ref().is_some_and(|b| !b.sweeps.is_empty());
+    let from_batch = decoded.map(|b| b.partition);
     let partition = match (partitions, from_id.or(from_batch)) {
         ([p], _) => *p,
         ([], Some(p)) => p,
@@ -350,7 +352,7 @@ async fn redrive_command(
         ))
         .into());
     }
-    let subject = ctx.subjects().cmd(Partition(partition));
+    let subject = ctx.subjects().cmd_for(Partition(partition), has_sweeps);
     // Named after the dead letter: the same re-drive given twice within the
     // stream's duplicate window is stored once.
     let msg_id = format!("redrive:rejects:{seq}");

@@ -221,7 +221,7 @@ pub async fn release(ctx: &Context, args: ReleaseArgs) -> anyhow::Result<()> {
         let msg_id = format!("{}:release:{}:{}", held.import_id, held.brand_id, held.place_id);
         publisher
             .publish(
-                subjects.cmd(partition),
+                subjects.cmd_sweep(partition),
                 msg_id,
                 msg_type::COMMAND_BATCH,
                 None,

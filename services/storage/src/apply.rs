@@ -235,6 +235,9 @@ pub mod reason {
     pub const FAILED: &str = "failed";
     /// Not a command: a sweep storage held instead of applying it.
     pub const SWEEP_HELD: &str = "sweep_held";
+    /// Not a command: a sweep that did not come on the partition's sweep
+    /// subject (which only ingest and the CLI may publish to), refused.
+    pub const SWEEP_FORBIDDEN: &str = "sweep_forbidden";
 }
 
 /// The records a batch needs loaded: every command key and, for sweeps, the

@@ -53,6 +53,17 @@ impl Subjects {
     pub fn cmd(&self, partition: Partition) -> String {
         format!("{}.cmd.{}", self.prefix, partition.0)
     }
+    /// Where command messages carrying sweeps go: a subject of their own in
+    /// the CMD stream, which only ingest and the operator CLI may publish to
+    /// (storage refuses a sweep that arrives on [`Subjects::cmd`]). Storage's
+    /// consumer of the partition reads both subjects, in stream order.
+    pub fn cmd_sweep(&self, partition: Partition) -> String {
+        format!("{}.cmd.{}.sweep", self.prefix, partition.0)
+    }
+    /// [`Subjects::cmd_sweep`] when a message carries sweeps, else [`Subjects::cmd`].
+    pub fn cmd_for(&self, partition: Partition, has_sweeps: bool) -> String {
+        if has_sweeps { self.cmd_sweep(partition) } else { self.cmd(partition) }
+    }
     pub fn cmd_all(&self) -> String {
         format!("{}.cmd.>", self.prefix)
     }
@@ -159,6 +170,9 @@ impl Subjects {
             return subject.to_string();
         };
         let tokens: Vec<&str> = rest.split('.').collect();
+        if let ["cmd", _, "sweep"] = tokens.as_slice() {
+            return format!("{}.cmd.{{partition}}.sweep", self.prefix);
+        }
         for (lead, names) in SHAPES {
             if tokens.len() == lead.len() + names.len() && tokens.starts_with(lead) {
                 return [&[self.prefix.as_str()][..], lead, names].concat().join(".");
@@ -201,6 +215,9 @@ mod tests {
     fn templates_name_the_varying_tokens() {
         let s = Subjects::new("t1.shelf-x");
         assert_eq!(s.template(&s.cmd(Partition(3))), "t1.shelf-x.cmd.{partition}");
+        assert_eq!(s.template(&s.cmd_sweep(Partition(3))), "t1.shelf-x.cmd.{partition}.sweep");
+        assert_eq!(s.cmd_for(Partition(3), true), s.cmd_sweep(Partition(3)));
+        assert_eq!(s.cmd_for(Partition(3), false), s.cmd(Partition(3)));
         assert_eq!(s.template(&s.changes(7, 42)), "t1.shelf-x.changes.{brand_id}.{place_id}");
         assert_eq!(s.template(&s.rejects(7, 0)), "t1.shelf-x.rejects.{brand_id}.{place_id}");
         assert_eq!(s.template(&s.keyframes(7, 42)), "t1.shelf-x.keyframes.{brand_id}.{place_id}");

@@ -188,7 +188,7 @@ impl Run<'_> {
     ) -> Result<(), ImportError> {
         let (payload, headers) = encoding::encode(self.compression, batch);
         self.report.bytes_out += payload.len() as u64;
-        let subject = self.subjects.cmd(partition);
+        let subject = self.subjects.cmd_for(partition, counts.1 > 0);
         let span = shelfsync_telemetry::send_span!(
             "ingest.send",
             self.subjects.template(&subject),

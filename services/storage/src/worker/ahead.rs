@@ -68,6 +68,28 @@ impl Worker {
             contexts.push(shelfsync_telemetry::extract_opt(Some(&m.headers)));
             parts.push((m.sequence, batch));
         }
+        // A message on the partition's sweep subject stored between two of
+        // them must be applied first: read ahead stops before it. Asked
+        // after reading, so that a sweep stored meanwhile comes after them.
+        if parts.len() > 1 {
+            let first = parts[0].0;
+            let sweep = self.subjects.cmd_sweep(self.partition);
+            match stream.direct_get_next_for_subject(sweep, Some(first + 1)).await {
+                Ok(m) => {
+                    parts.retain(|(seq, _)| *seq < m.sequence);
+                    contexts.truncate(parts.len() - 1);
+                }
+                Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {}
+                Err(e) => {
+                    warn!(
+                        partition = %self.partition, error = %chain(&e),
+                        "cannot tell whether a sweep waits behind; not reading ahead this time"
+                    );
+                    parts.truncate(1);
+                    contexts.clear();
+                }
+            }
+        }
         // Their imports' traces, linked from this apply.
         shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use shelfsync_proto::PlaceKey;
+use shelfsync_proto::{PlaceKey, Rejection};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, warn};
@@ -119,7 +119,7 @@ impl Worker {
             .clone()
             .map_err(|e| e.to_string())
             .and_then(|p| Scanned::read(p).map_err(|e| e.to_string()));
-        let scanned = match read {
+        let mut scanned = match read {
             Ok(m) => m,
             Err(e) => {
                 let detail = format!("cannot decode CommandBatch: {e}");
@@ -136,10 +136,24 @@ impl Worker {
                     .await;
             }
         };
+        // Sweeps count only on the partition's sweep subject, which only
+        // ingest and the CLI may publish to: any other is refused, and the
+        // message's commands apply as usual.
+        let refused = match msg.subject.as_str() == self.subjects.cmd_sweep(self.partition) {
+            true => Vec::new(),
+            false => std::mem::take(&mut scanned.header.sweeps),
+        };
+        let refused: Vec<Rejection> = refused.iter().map(forbidden_sweep).collect();
+        if !refused.is_empty() {
+            warn!(
+                partition = %self.partition, seq, subject = %msg.subject, sweeps = refused.len(),
+                "sweeps refused: they did not come on the partition's sweep subject"
+            );
+        }
         let span = tracing::Span::current();
         let result = if scanned.header.sweeps.is_empty() {
             let mut parts = vec![(seq, scanned)];
-            if let Some((stream, pending)) = ahead {
+            if let Some((stream, pending)) = ahead.filter(|_| refused.is_empty()) {
                 self.read_ahead(stream, pending, &mut parts).await;
                 span.record("shelfsync.read_ahead", parts.len() - 1);
             }
@@ -150,7 +164,7 @@ impl Worker {
             }
             let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
             span.record("shelfsync.command_count", commands);
-            match self.apply_and_commit(&parts, &trace, relay).await {
+            match self.apply_and_commit(&parts, refused, &trace, relay).await {
                 Ok(Handled::Applied) => {
                     failpoint::hit("after_commit");
                     self.relay_until_done(relay, shutdown).await;
@@ -214,6 +228,7 @@ impl Worker {
     pub(super) async fn apply_and_commit(
         &self,
         parts: &[(u64, Scanned)],
+        refused: Vec<Rejection>,
         trace: &TraceParts,
         relay: &mut Relay,
     ) -> Result<Handled, HandleError> {
@@ -247,7 +262,7 @@ impl Worker {
         let limits = self.limits();
         // The changes of all of them go out together, per place, in the
         // order they were applied, under the last one's sequence.
-        let (mut changes, mut rejections) = (Vec::new(), Vec::new());
+        let (mut changes, mut rejections) = (Vec::new(), refused);
         let mut outcomes = Vec::with_capacity(todo.len());
         let mut carried = Appends::default();
         for (_, split) in &todo {
@@ -361,6 +376,26 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// A sweep refused because it did not come on its partition's sweep subject.
+fn forbidden_sweep(s: &shelfsync_proto::Sweep) -> Rejection {
+    Rejection {
+        reason: reason::SWEEP_FORBIDDEN.into(),
+        detail: format!(
+            "sweep of import {} refused: a sweep must travel on its partition's sweep subject \
+             (<prefix>.cmd.<partition>.sweep), which only ingest and the operator CLI may \
+             publish to; nothing was marked absent",
+            s.import_id
+        ),
+        key: Some(shelfsync_proto::RecordKey::new(s.brand_id, s.place_id, "")),
+        origin: Some(shelfsync_proto::Origin {
+            source: s.source.clone(),
+            import_id: s.import_id.clone(),
+            published_at: 0,
+        }),
+        ..Default::default()
     }
 }
 

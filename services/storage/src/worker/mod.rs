@@ -202,7 +202,12 @@ impl Worker {
         let config = pull::Config {
             durable_name: Some(name.clone()),
             description: Some(format!("shelfsync storage, partition {}", self.partition)),
-            filter_subject: self.subjects.cmd(self.partition),
+            // Commands, and the sweeps that only ingest and the CLI may
+            // send, in the order the stream stored them.
+            filter_subjects: vec![
+                self.subjects.cmd(self.partition),
+                self.subjects.cmd_sweep(self.partition),
+            ],
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
             ack_wait: self.config.storage.ack_wait,
             // One message at a time is what keeps a partition in order, also
@@ -218,7 +223,12 @@ impl Worker {
             memory_storage: true,
             ..Default::default()
         };
-        let consumer = stream.get_or_create_consumer(&name, config).await?;
+        // Created, or brought to this shape (an older version filtered on
+        // the command subject alone).
+        let consumer = match stream.get_or_create_consumer(&name, config.clone()).await? {
+            c if c.cached_info().config.filter_subjects == config.filter_subjects => c,
+            _ => stream.create_consumer(config).await?,
+        };
         Ok((stream, consumer))
     }
 
