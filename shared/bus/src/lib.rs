@@ -45,6 +45,18 @@ pub const TYPE_HEADER: &str = "Shelfsync-Type";
 /// Room kept under the server's max payload for headers and batch framing.
 pub const PAYLOAD_HEADROOM: usize = 8 * 1024;
 
+/// How far below the server's `max_payload` the command stream's largest
+/// message stays (its `max_message_size`, set by [`provision`]): room for a
+/// dead-lettered command message to travel whole, with its reason, in one
+/// rejection on the REJECTS stream.
+pub const CMD_HEADROOM: usize = 16 * 1024;
+
+/// The largest command message payload a producer may send to a server of
+/// `max_payload`: under the command stream's limit, with room for headers.
+pub fn command_bytes_limit(max_payload: usize) -> usize {
+    max_payload.saturating_sub(CMD_HEADROOM + PAYLOAD_HEADROOM).max(64 * 1024)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     #[error("cannot connect to NATS at {url}: {source}")]
@@ -226,7 +238,11 @@ pub async fn provision(
     nats: &NatsSettings,
     topology: Topology,
 ) -> Result<(), BusError> {
-    for config in stream_configs(nats, topology) {
+    let max_payload = js.client().server_info().max_payload;
+    for mut config in stream_configs(nats, topology) {
+        if config.name == Subjects::new(&nats.prefix).cmd_stream() {
+            config.max_message_size = cmd_max_message_size(max_payload);
+        }
         let name = config.name.clone();
         let err = |detail: String| BusError::Provision { stream: name.clone(), detail };
         match js.get_stream(&name).await {
@@ -250,6 +266,11 @@ pub async fn provision(
         }
     }
     Ok(())
+}
+
+/// The command stream's largest message on a server of `max_payload`.
+pub fn cmd_max_message_size(max_payload: usize) -> i32 {
+    i32::try_from(max_payload.saturating_sub(CMD_HEADROOM)).unwrap_or(i32::MAX)
 }
 
 /// Asks storage for a keyframe now — of every place (`place = None`) or of
