@@ -394,6 +394,13 @@ class Mirror:
             assert a not in seen, f"{a} was handed to the handler twice"
             seen.add(a)
 
+    async def equals_storage(self, stack: Stack, brand: int, places: Iterable[int]) -> bool:
+        for place in places:
+            stored = {pid: r.updated_at for pid, r in (await stack.records(brand, place)).items()}
+            if self.of_place(brand, place) != stored:
+                return False
+        return True
+
     async def assert_equals_storage(self, stack: Stack, brand: int, places: Iterable[int]) -> None:
         for place in places:
             stored = {pid: r.updated_at for pid, r in (await stack.records(brand, place)).items()}
