@@ -54,6 +54,18 @@ async function freePort(): Promise<number> {
 
 export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
+/** Until `proc` exits, or `ms` passed (the timer is cleared: it must not keep Node alive). */
+function exited(proc: ChildProcess, ms: number): Promise<void> {
+  if (proc.exitCode !== null || proc.signalCode !== null) return Promise.resolve();
+  return new Promise((resolve) => {
+    const timer = setTimeout(resolve, ms);
+    proc.once("exit", () => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+}
+
 /** Polls `cond` every 20 ms until it holds; fails with `what` after `timeoutMs`. */
 export async function eventually(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 30_000): Promise<void> {
   const deadline = Date.now() + timeoutMs;
@@ -84,10 +96,10 @@ export class Server {
   constructor(readonly proc: ChildProcess, readonly dir: string, readonly url: string) {}
   async stop(): Promise<void> {
     if (this.proc.exitCode === null) {
-      const exited = new Promise((r) => this.proc.once("exit", r));
+      const done = exited(this.proc, 10_000);
       this.proc.kill("SIGTERM");
-      await Promise.race([exited, sleep(10_000)]);
-      if (this.proc.exitCode === null) this.proc.kill("SIGKILL");
+      await done;
+      if (this.proc.exitCode === null && this.proc.signalCode === null) this.proc.kill("SIGKILL");
     }
     rmSync(this.dir, { recursive: true, force: true });
   }
@@ -167,9 +179,10 @@ export class Stack {
   async stop(): Promise<void> {
     await this.nc?.close();
     if (this.storage && this.storage.exitCode === null) {
-      const exited = new Promise((r) => this.storage!.once("exit", r));
+      const done = exited(this.storage, 15_000);
       this.storage.kill("SIGTERM");
-      await Promise.race([exited, sleep(15_000)]);
+      await done;
+      if (this.storage.exitCode === null && this.storage.signalCode === null) this.storage.kill("SIGKILL");
     }
   }
 
