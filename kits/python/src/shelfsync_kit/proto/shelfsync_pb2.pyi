@@ -217,7 +217,7 @@ class ChangeBatch(_message.Message):
     def __init__(self, changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ..., partition: _Optional[int] = ..., command_seq: _Optional[int] = ..., part: _Optional[int] = ..., keyframe: _Optional[_Union[KeyframeMark, _Mapping]] = ...) -> None: ...
 
 class Rejection(_message.Message):
-    __slots__ = ("command", "reason", "detail", "key", "origin", "raw", "sweep")
+    __slots__ = ("command", "reason", "detail", "key", "origin", "raw", "sweep", "raw_encoding")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class Rejection(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     SWEEP_FIELD_NUMBER: _ClassVar[int]
+    RAW_ENCODING_FIELD_NUMBER: _ClassVar[int]
     command: Command
     reason: str
     detail: str
@@ -232,7 +233,8 @@ class Rejection(_message.Message):
     origin: Origin
     raw: bytes
     sweep: SweepOutcome
-    def __init__(self, command: _Optional[_Union[Command, _Mapping]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., key: _Optional[_Union[RecordKey, _Mapping]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., raw: _Optional[bytes] = ..., sweep: _Optional[_Union[SweepOutcome, _Mapping]] = ...) -> None: ...
+    raw_encoding: str
+    def __init__(self, command: _Optional[_Union[Command, _Mapping]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., key: _Optional[_Union[RecordKey, _Mapping]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., raw: _Optional[bytes] = ..., sweep: _Optional[_Union[SweepOutcome, _Mapping]] = ..., raw_encoding: _Optional[str] = ...) -> None: ...
 
 class RejectionBatch(_message.Message):
     __slots__ = ("rejections",)
@@ -419,12 +421,14 @@ class RedriveReply(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., redriven: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RebaseRequest(_message.Message):
-    __slots__ = ("partitions", "applied_seq")
+    __slots__ = ("partitions", "applied_seq", "drop_step")
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DROP_STEP_FIELD_NUMBER: _ClassVar[int]
     partitions: _containers.RepeatedScalarFieldContainer[int]
     applied_seq: int
-    def __init__(self, partitions: _Optional[_Iterable[int]] = ..., applied_seq: _Optional[int] = ...) -> None: ...
+    drop_step: bool
+    def __init__(self, partitions: _Optional[_Iterable[int]] = ..., applied_seq: _Optional[int] = ..., drop_step: bool = ...) -> None: ...
 
 class RebaseReply(_message.Message):
     __slots__ = ("replica", "rebased", "refused", "error")
