@@ -44,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..N {
         acks.push_back(js.publish(subj(i), payload.clone()).await?);
         if acks.len() >= 64 {
-            acks.pop_front().unwrap().await?;
+            acks.pop_front().expect("a full window").await?;
         }
     }
     for a in acks {
@@ -69,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
                             payload: payload.clone(),
                         })
                         .collect();
-                    publish_atomic(&client, msgs, Duration::from_secs(10)).await.unwrap();
+                    publish_atomic(&client, msgs, Duration::from_secs(10)).await.expect("stored");
                 }
             });
         }
@@ -103,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
     let mut messages = consumer.messages().await?;
     let t = Instant::now();
     for _ in 0..N {
-        let m = messages.next().await.unwrap().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let m = messages.next().await.expect("a message").map_err(|e| anyhow::anyhow!("{e}"))?;
         m.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     client.flush().await?;
