@@ -51,6 +51,23 @@ impl Harness {
         partition_of(brand, place, self.settings.storage.partitions)
     }
 
+    /// The consumers of a partition's command subject of the storage
+    /// replica that owns it (`p % storage.replicas`): one per process bound
+    /// to it (their `-sweeps` twins left out).
+    pub async fn storage_consumers(&self, p: Partition) -> Vec<String> {
+        use futures::TryStreamExt;
+        let owner =
+            self.subjects.storage_consumer_of(p, p.0 % self.settings.storage.replicas.max(1));
+        let Ok(stream) = self.js.get_stream(self.subjects.cmd_stream()).await else {
+            return Vec::new();
+        };
+        let names: Vec<String> = stream.consumer_names().try_collect().await.unwrap_or_default();
+        names
+            .into_iter()
+            .filter(|n| n.starts_with(&format!("{owner}-")) && !n.ends_with("-sweeps"))
+            .collect()
+    }
+
     /// Publishes commands, grouped into one batch per partition, in order.
     pub async fn send(&self, commands: Vec<Command>) -> anyhow::Result<()> {
         let mut by_partition: std::collections::BTreeMap<Partition, CommandBatch> =

@@ -114,7 +114,8 @@ impl StorageProcess {
         let mut cmd = Process::new(bin);
         cmd.envs(settings_env(settings))
             .envs(extra.iter().copied())
-            .env("RUST_LOG", "warn")
+            // SHELFSYNC_TEST_STORAGE_LOG: more of the child's log (e.g. `info`).
+            .env("RUST_LOG", std::env::var("SHELFSYNC_TEST_STORAGE_LOG").unwrap_or("warn".into()))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
         let child = cmd.spawn().context("spawning shelfsync-storage")?;

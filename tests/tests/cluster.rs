@@ -127,11 +127,10 @@ async fn wait_supervised<F, Fut>(
     }
 }
 
-/// True once every partition has its durable storage consumer.
+/// True once every partition has its owner's storage consumer.
 async fn consumers_bound(h: &Harness) -> bool {
-    let Ok(stream) = h.js.get_stream(h.subjects.cmd_stream()).await else { return false };
     for p in 0..h.settings.storage.partitions {
-        if stream.consumer_info(h.subjects.storage_consumer(Partition(p))).await.is_err() {
+        if h.storage_consumers(Partition(p)).await.is_empty() {
             return false;
         }
     }
@@ -548,8 +547,12 @@ async fn two_replicas_ride_through_losing_a_nats_node_and_a_replica() {
         let h = &h;
         async move {
             let stream = h.js.get_stream(h.subjects.cmd_stream()).await.ok()?;
-            let c = stream.consumer_info(h.subjects.storage_consumer(Partition(p))).await.ok()?;
-            Some(c.num_pending + c.num_ack_pending as u64)
+            let mut pending = None;
+            for name in h.storage_consumers(Partition(p)).await {
+                let c = stream.consumer_info(&name).await.ok()?;
+                pending = Some(pending.unwrap_or(0) + c.num_pending + c.num_ack_pending as u64);
+            }
+            pending
         }
     };
     wait_supervised(
@@ -880,17 +883,23 @@ async fn stuck_partitions(h: &Harness) -> String {
     };
     let mut out = Vec::new();
     for p in 0..h.settings.storage.partitions {
-        match stream.consumer_info(h.subjects.storage_consumer(Partition(p))).await {
-            Ok(c) if c.num_pending + c.num_ack_pending as u64 > 0 => out.push(format!(
-                "p{p}: pending {} ack_pending {} waiting {} redelivered {} leader {:?}",
-                c.num_pending,
-                c.num_ack_pending,
-                c.num_waiting,
-                c.num_redelivered,
-                c.cluster.as_ref().and_then(|c| c.leader.clone())
-            )),
-            Ok(_) => {}
-            Err(e) => out.push(format!("p{p}: {e}")),
+        let names = h.storage_consumers(Partition(p)).await;
+        if names.is_empty() {
+            out.push(format!("p{p}: no consumer"));
+        }
+        for name in names {
+            match stream.consumer_info(&name).await {
+                Ok(c) if c.num_pending + c.num_ack_pending as u64 > 0 => out.push(format!(
+                    "p{p}: pending {} ack_pending {} waiting {} redelivered {} leader {:?}",
+                    c.num_pending,
+                    c.num_ack_pending,
+                    c.num_waiting,
+                    c.num_redelivered,
+                    c.cluster.as_ref().and_then(|c| c.leader.clone())
+                )),
+                Ok(_) => {}
+                Err(e) => out.push(format!("p{p}: {e}")),
+            }
         }
         if let Ok(n) = h.store.outbox_len(Partition(p)).await
             && n > 0

@@ -405,7 +405,8 @@ async fn a_removed_command_consumer_is_bound_again() {
     let (_env, h, storage) = start().await;
     h.send(full_import(&[1], 50, 0, |_, i| i as i64)).await.unwrap();
     h.wait_settled().await;
-    let name = h.subjects.storage_consumer(h.partition(BRAND, 1));
+    // The owner's consumer of the partition's command subject.
+    let name = h.storage_consumers(h.partition(BRAND, 1)).await.pop().expect("its consumer");
     let stream = h.js.get_stream(h.subjects.cmd_stream()).await.unwrap();
     assert!(stream.delete_consumer(&name).await.unwrap().success);
     // Sent while it is gone: applied once it is back.

@@ -100,7 +100,7 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
     let storage_consumers = if streams_by_role.get("cmd").is_some_and(Option::is_some) {
         let cmd =
             js.get_stream(subjects.cmd_stream()).await.context("cannot open the command stream")?;
-        consumer_lags(&cmd, &subjects, partitions).await?
+        consumer_lags(&cmd, partitions).await?
     } else {
         Vec::new()
     };
@@ -155,24 +155,31 @@ pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
 /// Lag of every storage consumer that exists on the command stream.
 async fn consumer_lags(
     cmd: &jetstream::stream::Stream,
-    subjects: &shelfsync_bus::Subjects,
     partitions: u32,
 ) -> anyhow::Result<Vec<ConsumerLag>> {
-    let found: Vec<Option<ConsumerLag>> = stream::iter(0..partitions)
-        .map(|p| {
-            let name = subjects.storage_consumer(Partition(p));
-            async move {
-                match cmd.consumer_info(&name).await {
-                    Ok(info) => Ok(Some(ConsumerLag {
-                        partition: p,
-                        name,
-                        num_pending: info.num_pending,
-                        num_ack_pending: info.num_ack_pending as u64,
-                        lag: info.num_pending + info.num_ack_pending as u64,
-                    })),
-                    Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(e).with_context(|| format!("cannot read consumer {name}")),
-                }
+    // Each storage replica reads a partition with a consumer of its own
+    // (`storage-p<N>-r<replica>`): every one there is listed.
+    let names: Vec<String> = cmd.consumer_names().try_collect().await?;
+    let mut owned: Vec<(u32, String)> = names
+        .into_iter()
+        .filter_map(|n| {
+            let p = shelfsync_bus::Subjects::partition_of_storage_consumer(&n)?;
+            (p.0 < partitions).then_some((p.0, n))
+        })
+        .collect();
+    owned.sort();
+    let found: Vec<Option<ConsumerLag>> = stream::iter(owned)
+        .map(|(p, name)| async move {
+            match cmd.consumer_info(&name).await {
+                Ok(info) => Ok(Some(ConsumerLag {
+                    partition: p,
+                    name,
+                    num_pending: info.num_pending,
+                    num_ack_pending: info.num_ack_pending as u64,
+                    lag: info.num_pending + info.num_ack_pending as u64,
+                })),
+                Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => Ok(None),
+                Err(e) => Err(e).with_context(|| format!("cannot read consumer {name}")),
             }
         })
         .buffered(CONCURRENCY)

@@ -203,6 +203,7 @@ impl Service for App {
             ready: self.ready.clone(),
             keyframe_limits,
             known_budgets: (Budget::new(known), Budget::new(known)),
+            instance: instance_id(),
         });
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
@@ -252,6 +253,7 @@ impl Service for App {
             subjects.clone(),
             owned,
             (shared.known_budgets.clone(), self.stats.clone()),
+            (self.config.storage.replica, shared.instance.clone()),
             serving.clone(),
         ));
         let read = ReadApi::new(
@@ -316,6 +318,7 @@ async fn sample_gauges(
     subjects: Subjects,
     owned: Vec<u32>,
     ((noops, live), stats): ((Budget, Budget), Arc<Stats>),
+    (replica, instance): (u32, String),
     stop: Drain,
 ) {
     let mut tick = tokio::time::interval(GAUGE_EVERY);
@@ -327,7 +330,8 @@ async fn sample_gauges(
         }
         if let Ok(stream) = js.get_stream(subjects.cmd_stream()).await {
             for &p in &owned {
-                let name = subjects.storage_consumer(Partition(p));
+                let name =
+                    format!("{}-{instance}", subjects.storage_consumer_of(Partition(p), replica));
                 if let Ok(info) = stream.consumer_info(&name).await {
                     let lag = info.num_pending + info.num_ack_pending as u64;
                     metrics::consumer_lag(name, lag);
@@ -585,3 +589,12 @@ async fn redrive_owned(
 }
 
 pub use shelfsync_service::shutdown_signal;
+
+/// A short id of this process, for its consumers' names.
+fn instance_id() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let seed = [now.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat();
+    format!("{:08x}", xxhash_rust::xxh3::xxh3_64(&seed) as u32)
+}

@@ -129,6 +129,11 @@ fn max_bytes(limit: u64) -> i64 {
 
 /// The stream configurations the suite needs, in creation order.
 ///
+/// CMD keeps every message until storage purges it, once applied (limits
+/// retention, no age limit): a work queue would remove each message on its
+/// ack, and a server that fsyncs every write pays an fsync per ack, where a
+/// purge of many messages pays one.
+///
 /// What each stream does when it reaches its `max_bytes`: CMD refuses new
 /// messages (`discard: new`): its messages are commands nobody applied yet,
 /// so dropping the oldest would lose data silently, while a refused publish
@@ -151,10 +156,10 @@ pub fn stream_configs(n: &NatsSettings, topology: Topology) -> Vec<stream::Confi
         ..Default::default()
     };
     vec![
-        // Commands are work: each partition has exactly one consumer (the
-        // storage worker owning it), and an acked command is gone.
+        // Commands are work: the storage worker owning a partition applies
+        // them in order and purges what it applied.
         stream::Config {
-            retention: stream::RetentionPolicy::WorkQueue,
+            retention: stream::RetentionPolicy::Limits,
             max_bytes: max_bytes(n.cmd_max_bytes),
             discard: stream::DiscardPolicy::New,
             description: Some("shelfsync commands, one subject per partition".into()),
@@ -256,6 +261,16 @@ pub async fn provision(
         match js.get_stream(&name).await {
             Ok(mut existing) => {
                 let info = existing.info().await.map_err(|e| err(e.to_string()))?;
+                if info.config.retention != config.retention {
+                    return Err(err(format!(
+                        "the stream's retention is {:?}, this version needs {:?} (a command \
+                         stream created by a version before 0.2 is a work queue): once storage \
+                         has applied every command it holds, recreate it with `shelfsync setup \
+                         --recreate-cmd`, then `shelfsync rebase` (docs/OPERATE.md, \
+                         \"Upgrading the command stream\")",
+                        info.config.retention, config.retention
+                    )));
+                }
                 if let (Some(have), Some(want)) = (
                     info.config.metadata.get("shelfsync.partitions"),
                     config.metadata.get("shelfsync.partitions"),

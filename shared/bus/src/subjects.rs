@@ -187,6 +187,21 @@ impl Subjects {
     pub fn storage_consumer(&self, partition: Partition) -> String {
         format!("storage-p{}", partition.0)
     }
+
+    /// The consumer of the partition of storage replica `replica`: each
+    /// owner reads the partition with its own (no acks; it purges what it
+    /// applied), so that two owners during a rescale each see every message.
+    pub fn storage_consumer_of(&self, partition: Partition, replica: u32) -> String {
+        format!("{}-r{replica}", self.storage_consumer(partition))
+    }
+
+    /// The partition a storage consumer's name says (`storage-p<N>`, or
+    /// `storage-p<N>-r<replica>-<process>` and its `-sweeps` twin).
+    pub fn partition_of_storage_consumer(name: &str) -> Option<Partition> {
+        let rest = name.strip_prefix("storage-p")?;
+        let n = rest.split_once("-r").map_or(rest, |(n, _)| n);
+        n.parse().ok().map(Partition)
+    }
 }
 
 /// A free-form name as one subject token (dots, spaces and wildcards

@@ -7,12 +7,13 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream;
 use shelfsync_proto::{PlaceKey, Rejection};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, info, warn};
 
+use super::intake::{Intake, Pulled, Up};
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
 use crate::apply::{Limits, Slot, apply_batch, reason};
@@ -33,42 +34,36 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// First and longest wait between two attempts of a failed relay.
 const RELAY_RETRY: Duration = Duration::from_millis(100);
 const RELAY_RETRY_MAX: Duration = Duration::from_secs(5);
+/// Messages taken behind the first are committed with it as long as they
+/// hold this many commands and sweeps together.
+const AHEAD_COMMANDS: usize = 1000;
 /// How soon a refused partition's message is delivered again (to see
 /// whether an operator acted).
 const REFUSED_RETRY: Duration = Duration::from_secs(2);
 
 impl Worker {
-    pub(super) async fn process(
+    /// Applies what `up` names: a sweep message alone, or command messages
+    /// from the first (alone when it failed before, else with those behind
+    /// it). A failure leaves the first in place, to be tried again at the
+    /// returned time (never skipped: the next waits behind it).
+    pub(super) async fn apply_up(
         &self,
-        msg: jetstream::Message,
-        stream: Option<&jetstream::stream::Stream>,
+        intake: &mut Intake,
+        up: Up,
         relay: &mut Relay,
         shutdown: &Drain,
-    ) {
-        let (seq, delivered, pending) = match msg.info() {
-            Ok(info) => (info.stream_sequence, info.delivered.max(1) as u64, info.pending),
-            Err(e) => {
-                error!(partition = %self.partition, error = %chain(&*e), "message without metadata");
-                return;
-            }
-        };
-        if seq <= self.committed_through.load(Ordering::Relaxed) {
-            // Committed with an earlier delivery, its outbox relayed since.
-            if let Err(e) = msg.ack().await {
-                warn!(partition = %self.partition, seq, error = %chain(&*e), "ack failed");
-            }
-            return;
-        }
-        // Read ahead only on a first delivery: a message that failed goes alone.
-        let ahead = stream.filter(|_| delivered == 1 && pending > 0);
+    ) -> Option<Instant> {
+        let group = intake.group(up);
+        let first = group.first()?;
+        let (seq, attempts) = (first.seq, first.attempts);
         let span = shelfsync_telemetry::process_span!(
             "storage.apply_batch",
-            self.shared.subjects.template(&msg.subject),
-            msg.subject,
-            self.shared.subjects.storage_consumer(self.partition),
+            self.shared.subjects.template(&first.msg.subject),
+            first.msg.subject,
+            self.consumer_names()[usize::from(up == Up::Sweep)],
             partition = self.partition.0,
             command_seq = seq,
-            delivered,
+            delivered = attempts + 1,
             messaging.batch.message_count = tracing::field::Empty,
             shelfsync.command_count = tracing::field::Empty,
             shelfsync.sweep_count = tracing::field::Empty,
@@ -76,30 +71,25 @@ impl Worker {
         );
         shelfsync_telemetry::set_parent(
             &span,
-            shelfsync_telemetry::extract_opt(msg.headers.as_ref()),
+            shelfsync_telemetry::extract_opt(first.msg.headers.as_ref()),
         );
         let started = Instant::now();
-        let result = self
-            .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), relay, shutdown)
-            .instrument(span)
-            .await;
+        let result = self.handle(group, relay, shutdown).instrument(span).await;
         self.shared.stats.message_took(started.elapsed());
         match result {
-            Ok(handled) => {
+            Ok((handled, taken, applied)) => {
                 self.pressure.off();
                 self.lift_step_refusal();
                 failpoint::hit("after_publish");
-                if let Err(e) = msg.ack().await {
-                    // Redelivery is harmless: the sequence check skips it.
-                    warn!(partition = %self.partition, seq, error = %chain(&*e), "ack failed");
-                }
-                failpoint::hit("after_ack");
                 if matches!(handled, Handled::Skipped) {
                     self.shared.stats.skipped_redelivery();
                 }
+                intake.done(up, taken, applied);
+                None
             }
             Err(e) => {
-                let mut delay = self.backoff(delivered);
+                intake.failed(up);
+                let mut delay = self.backoff(attempts + 1);
                 match (&e, e.pressure()) {
                     (_, Some(cause)) => self.pressure.on(cause, &e),
                     (HandleError::StepOfAnother { step, .. }, _) => {
@@ -108,12 +98,12 @@ impl Worker {
                         }
                     }
                     _ => warn!(
-                        partition = %self.partition, seq, delivered, retry_in = ?delay,
+                        partition = %self.partition, seq, attempts = attempts + 1, retry_in = ?delay,
                         error = %chain(&e), "batch not applied; will retry"
                     ),
                 }
                 self.shared.stats.retried(matches!(e, HandleError::Fenced));
-                let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+                Some(Instant::now() + delay)
             }
         }
     }
@@ -168,20 +158,23 @@ impl Worker {
         gone
     }
 
-    pub(super) async fn handle(
+    /// Applies the first of `group` (and, unless it failed before or
+    /// carries sweeps, those behind it that may go with it). `Ok`: how it
+    /// went, how many messages it took, and the applied sequence it left.
+    async fn handle(
         &self,
-        msg: &jetstream::Message,
-        seq: u64,
-        delivered: u64,
-        ahead: Option<(&jetstream::stream::Stream, u64)>,
+        group: &[Pulled],
         relay: &mut Relay,
         shutdown: &Drain,
-    ) -> Result<Handled, HandleError> {
+    ) -> Result<(Handled, usize, u64), HandleError> {
+        let first = group.first().expect("called with a message");
+        let (msg, seq, attempts) = (&first.msg, first.seq, first.attempts);
         let trace = outbox_trace(msg);
         let mut scanned = match self.read(msg.headers.as_ref(), &msg.payload) {
             Ok(m) => m,
             Err((why, detail)) => {
-                return self.dead_letter(seq, why, detail, msg, &trace, relay, shutdown).await;
+                let handled = self.dead_letter(seq, why, detail, msg, &trace, relay, shutdown);
+                return Ok((handled.await?, 1, seq));
             }
         };
         // Sweeps count only on the partition's sweep subject, which only
@@ -201,53 +194,79 @@ impl Worker {
         let span = tracing::Span::current();
         let result = if scanned.header.sweeps.is_empty() {
             let mut parts = vec![(seq, scanned)];
-            if let Some((stream, pending)) = ahead.filter(|_| refused.is_empty()) {
-                self.read_ahead(stream, pending, &mut parts).await;
+            // A message that failed goes alone; so does one whose sweeps
+            // were refused.
+            if attempts == 0 && refused.is_empty() {
+                self.take_behind(group, &mut parts);
                 span.record("shelfsync.read_ahead", parts.len() - 1);
             }
-            // Messages read ahead are applied with this one: a batch
+            // Messages taken behind are applied with this one: a batch
             // operation in the messaging conventions' sense.
             if parts.len() > 1 {
                 span.record("messaging.batch.message_count", parts.len());
             }
             let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
             span.record("shelfsync.command_count", commands);
+            let last = parts.last().map_or(seq, |(s, _)| *s);
             match self.apply_and_commit(&parts, refused, &trace, relay, shutdown).await {
                 Ok(Handled::Applied) => {
                     failpoint::hit("after_commit");
                     self.relay_until_done(relay, shutdown).await;
-                    if !shutdown.is_started() {
-                        let last = parts.last().map_or(seq, |(s, _)| *s);
-                        self.committed_through.fetch_max(last, Ordering::Relaxed);
-                    }
-                    Ok(Handled::Applied)
+                    Ok((Handled::Applied, parts.len(), last))
                 }
-                other => other,
+                Ok(Handled::Skipped) => Ok((Handled::Skipped, parts.len(), last)),
+                Err(e) => Err(e),
             }
         } else {
             span.record("shelfsync.command_count", scanned.len());
             span.record("shelfsync.sweep_count", scanned.header.sweeps.len());
             match scanned.decode_all() {
-                Ok(batch) => self.apply_in_steps(msg, seq, &batch, &trace, relay, shutdown).await,
+                Ok(batch) => {
+                    let steps = self.apply_in_steps(seq, &batch, &trace, relay, shutdown);
+                    steps.await.map(|handled| (handled, 1, seq))
+                }
                 Err(e) => Err(HandleError::Decode(e)),
             }
         };
         match result {
-            Ok(Handled::Skipped) => {
-                // Applied by an earlier delivery, maybe by an owner that died
-                // before its commit reached the replicas: confirmed before
-                // the ack, and its outbox drained (the relay waits too).
+            Ok((Handled::Skipped, taken, last)) => {
+                // Applied before, maybe by an owner that died before its
+                // commit reached the replicas: confirmed before the partition
+                // moves on, and its outbox drained (the relay waits too).
                 self.wait_replicas(shutdown).await?;
                 relay.relay().await?;
-                Ok(Handled::Skipped)
+                Ok((Handled::Skipped, taken, last))
             }
-            Ok(Handled::Applied) => Ok(Handled::Applied),
-            Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e),
+            Ok(done) => Ok(done),
+            Err(e) if e.is_transient() || attempts + 1 < MAX_FAILED_DELIVERIES => Err(e),
             Err(e) => {
-                let detail = format!("failed {delivered} times: {e}");
-                self.dead_letter(seq, reason::FAILED, detail, msg, &trace, relay, shutdown).await
+                let detail = format!("failed {} times: {e}", attempts + 1);
+                let handled =
+                    self.dead_letter(seq, reason::FAILED, detail, msg, &trace, relay, shutdown);
+                Ok((handled.await?, 1, seq))
             }
         }
+    }
+
+    /// Appends to `parts` the messages pulled behind the first that may be
+    /// committed with it: at most `storage.read_ahead`, 1000 commands
+    /// together, stopping before one that cannot be read or carries sweeps
+    /// (each goes on its own, in order).
+    fn take_behind(&self, group: &[Pulled], parts: &mut Vec<(u64, Scanned)>) {
+        let size = |m: &Scanned| m.len() + m.header.sweeps.len();
+        let mut total: usize = parts.iter().map(|(_, m)| size(m)).sum();
+        let mut contexts = Vec::new();
+        for p in group.iter().skip(1).take(self.shared.config.storage.read_ahead) {
+            let Ok(scanned) = self.read(p.msg.headers.as_ref(), &p.msg.payload) else { break };
+            if !scanned.header.sweeps.is_empty() || total + size(&scanned) > AHEAD_COMMANDS {
+                break;
+            }
+            total += size(&scanned);
+            contexts.push(shelfsync_telemetry::extract_opt(p.msg.headers.as_ref()));
+            parts.push((p.seq, scanned));
+        }
+        // Their imports' traces, linked from this apply.
+        shelfsync_telemetry::add_links(&tracing::Span::current(), &contexts);
     }
 
     /// A command message's payload read: decoded as its headers say (within
@@ -421,7 +440,6 @@ impl Worker {
         self.known().clear();
         self.shared.store.forget_head(self.partition);
         self.last_commit.store(0, Ordering::Relaxed);
-        self.committed_through.store(0, Ordering::Relaxed);
         self.shared.stats.redis_went_back();
         true
     }

@@ -49,8 +49,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, AckKind, consumer::pull};
-use futures::StreamExt;
+use async_nats::jetstream;
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
@@ -65,9 +64,9 @@ use crate::outbox::Relay;
 use crate::readiness::{Readiness, Refusal};
 use crate::store::{Store, StoreError, StreamBinding};
 
-mod ahead;
 mod commit;
 mod dead_letter;
+mod intake;
 mod keyframes;
 mod pressure;
 mod purge;
@@ -76,12 +75,13 @@ pub(crate) mod sweep;
 pub(crate) use pressure::Cause;
 use pressure::Pressure;
 
+use intake::{Intake, Up};
 use keyframes::{ChangedSinceFreeze, InHand, PlaceSnapshot};
 
 /// Longest wait between two attempts to bind the command consumer.
 const CONSUMER_RETRY_MAX: Duration = Duration::from_secs(10);
-/// How long a stopping worker waits for a message already on its way.
-const HANDBACK_WAIT: Duration = Duration::from_millis(100);
+/// Pulls failing in a row after which the consumers are bound again.
+const PULL_FAILURES_TO_REBIND: u32 = 3;
 /// How often a refused partition looks whether an operator re-based it.
 const REFUSED_POLL: Duration = Duration::from_secs(2);
 
@@ -103,6 +103,9 @@ pub(crate) struct Shared {
     /// What the owners remember, bounded over the replica (`crate::known`):
     /// no-op PATCHes, and live records of known places.
     pub known_budgets: (Budget, Budget),
+    /// Names this process's consumers apart from those of any other
+    /// process, one that runs with the same settings by mistake included.
+    pub instance: String,
 }
 
 /// One owned partition's worker (see the module docs); built by
@@ -112,14 +115,9 @@ pub(crate) struct Worker {
     shared: Arc<Shared>,
     /// The place frozen for a keyframe, and the records changed since.
     changed_since_freeze: std::sync::Mutex<Option<ChangedSinceFreeze>>,
-    /// The highest command sequence this worker committed and relayed:
-    /// a delivery at or below it was applied ahead and is only acked.
-    committed_through: AtomicU64,
     /// The partition's applied sequence as this worker's last commit left
     /// it (0: none since it bound): Redis showing less went back in time.
     last_commit: AtomicU64,
-    /// Reading ahead failed (no permission, a slow server): paused until then.
-    ahead_paused_until: std::sync::Mutex<Option<Instant>>,
     /// Identity of the command stream this worker is bound to (`Fence.stream`).
     stream_identity: std::sync::Mutex<String>,
     /// What this owner can vouch for without Redis (`crate::known`).
@@ -199,9 +197,7 @@ impl Worker {
             pressure: Pressure::new(partition, shared.ready.clone(), shared.stats.clone()),
             shared,
             changed_since_freeze: Default::default(),
-            committed_through: Default::default(),
             last_commit: Default::default(),
-            ahead_paused_until: Default::default(),
             stream_identity: Default::default(),
             known: std::sync::Mutex::new(Known::new(entries, live)),
         }
@@ -216,44 +212,34 @@ impl Worker {
         crate::clock::now_us()
     }
 
-    /// The command stream and this partition's consumer on it.
-    async fn consumer(
-        &self,
-    ) -> anyhow::Result<(jetstream::stream::Stream, jetstream::consumer::Consumer<pull::Config>)>
-    {
+    /// The names of this owner's consumers of the partition's command and
+    /// sweep subjects.
+    fn consumer_names(&self) -> [String; 2] {
+        let replica = self.shared.config.storage.replica;
+        let owner = self.shared.subjects.storage_consumer_of(self.partition, replica);
+        let name = format!("{owner}-{}", self.shared.instance);
+        [name.clone(), format!("{name}-sweeps")]
+    }
+
+    /// The command stream and the intake of this owner, its consumers
+    /// created afresh at the partition's applied sequence + 1 (those of an
+    /// earlier binding of this process go first: their position is not
+    /// Redis's; those of processes gone expire on the server).
+    async fn intake(&self, applied: u64) -> anyhow::Result<(jetstream::stream::Stream, Intake)> {
         let stream = self.shared.js.get_stream(self.shared.subjects.cmd_stream()).await?;
-        let name = self.shared.subjects.storage_consumer(self.partition);
-        let config = pull::Config {
-            durable_name: Some(name.clone()),
-            description: Some(format!("shelfsync storage, partition {}", self.partition)),
-            // Commands, and the sweeps that only ingest and the CLI may
-            // send, in the order the stream stored them.
-            filter_subjects: vec![
-                self.shared.subjects.cmd(self.partition),
-                self.shared.subjects.cmd_sweep(self.partition),
-            ],
-            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: self.shared.config.storage.ack_wait,
-            // One message at a time is what keeps a partition in order, also
-            // across redeliveries.
-            max_ack_pending: 1,
-            max_deliver: -1,
-            // Its state (what was delivered and acked) is kept in memory, not
-            // rewritten to a file up to ten times a second per partition
-            // (≈15% of nats-server's CPU under the bench's live load). Nothing rests
-            // on it: an acked command is removed from the work-queue stream,
-            // a delivered one is applied at most once by its sequence, and a
-            // consumer lost with its servers is created again (`bind`).
-            memory_storage: true,
-            ..Default::default()
-        };
-        // Created, or brought to this shape (an older version filtered on
-        // the command subject alone).
-        let consumer = match stream.get_or_create_consumer(&name, config.clone()).await? {
-            c if c.cached_info().config.filter_subjects == config.filter_subjects => c,
-            _ => stream.create_consumer(config).await?,
-        };
-        Ok((stream, consumer))
+        let subjects = [
+            self.shared.subjects.cmd(self.partition),
+            self.shared.subjects.cmd_sweep(self.partition),
+        ];
+        let mut consumers = Vec::with_capacity(2);
+        for (name, subject) in self.consumer_names().into_iter().zip(subjects.clone()) {
+            // Not there is the usual case; anything else shows at the create.
+            let _ = stream.delete_consumer(&name).await;
+            let config = intake::consumer_config(name, subject, applied);
+            consumers.push(stream.create_consumer(config).await?);
+        }
+        let intake = Intake::start([&consumers[0], &consumers[1]], subjects, applied).await?;
+        Ok((stream, intake))
     }
 
     /// Binds the partition's consumer and starts pulling, retrying until it
@@ -261,12 +247,12 @@ impl Worker {
     /// out, and one slow answer must not stop the replica. A command stream
     /// other than the one the partition's sequence counts in is refused until
     /// an operator re-bases the partition. `None`: shutdown.
-    async fn bind(&self, shutdown: &Drain) -> Option<(jetstream::stream::Stream, pull::Stream)> {
+    async fn bind(&self, shutdown: &Drain) -> Option<(jetstream::stream::Stream, Intake)> {
         let mut delay = Duration::from_millis(500);
         let mut refused_logged = false;
         loop {
             let bound = async {
-                let (stream, consumer) = self.consumer().await?;
+                let stream = self.shared.js.get_stream(self.shared.subjects.cmd_stream()).await?;
                 let identity = stream_identity(&stream);
                 match self.shared.store.bind_stream(self.partition, &identity).await? {
                     StreamBinding::Same => {}
@@ -285,24 +271,24 @@ impl Worker {
                         "layout upgrade fenced: another owner applied a message meanwhile"
                     ),
                 }
-                let messages = shelfsync_bus::pull_messages(&consumer).await?;
-                anyhow::Ok(Ok((stream, messages, identity)))
+                // From where the partition stands: a step in hand starts
+                // with its own message again.
+                let applied = self.shared.store.position(self.partition).await?.applied;
+                let (stream, intake) = self.intake(applied).await?;
+                anyhow::Ok(Ok((stream, intake, identity)))
             };
             match bound.await {
-                Ok(Ok((stream, messages, identity))) => {
+                Ok(Ok((stream, intake, identity))) => {
                     if refused_logged {
                         info!(partition = %self.partition, stream = %identity, "partition re-based; resuming");
                     }
                     self.shared.stats.partition_resumed(self.partition);
                     self.shared.ready.unrefuse(self.partition.0);
                     *self.stream_identity.lock().unwrap_or_else(|e| e.into_inner()) = identity;
-                    // Sequences may count in a new stream now: nothing is
-                    // taken as committed without asking Redis.
-                    self.committed_through.store(0, Ordering::Relaxed);
                     self.last_commit.store(0, Ordering::Relaxed);
                     // Another owner may have written meanwhile.
                     self.known().clear();
-                    return Some((stream, messages));
+                    return Some((stream, intake));
                 }
                 Ok(Err((found, recorded))) => {
                     self.shared.stats.partition_refused(self.partition, !refused_logged);
@@ -311,7 +297,7 @@ impl Worker {
                             partition = %self.partition, recorded = %recorded, found = %found,
                             "the command stream was replaced (its sequences restarted): this \
                              partition applies nothing until an operator re-bases it \
-                             (`shelfsync rebase`); nothing is acked or dropped meanwhile"
+                             (`shelfsync rebase`); nothing is applied or dropped meanwhile"
                         );
                         refused_logged = true;
                     }
@@ -349,13 +335,18 @@ impl Worker {
         if matches!(e.kind(), K::ConsumerDeleted) {
             return true;
         }
-        let name = self.shared.subjects.storage_consumer(self.partition);
         let Ok(stream) = self.shared.js.get_stream_no_info(self.shared.subjects.cmd_stream()).await
         else {
             return false;
         };
-        let info = stream.consumer_info(&name).await;
-        info.is_err_and(|e| e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound)
+        for name in self.consumer_names() {
+            let info = stream.consumer_info(&name).await;
+            if info.is_err_and(|e| e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound)
+            {
+                return true;
+            }
+        }
+        false
     }
 
     /// Runs until `shutdown` flips; the message in hand is finished first.
@@ -384,50 +375,69 @@ impl Worker {
             let span = tracing::info_span!("storage.relay_outbox", partition = self.partition.0);
             self.relay_until_done(&mut relay, &shutdown).instrument(span).await;
         }
-        let Some((stream, mut messages)) = self.bind(&shutdown).await else { return Ok(()) };
+        let Some((mut stream, mut intake)) = self.bind(&shutdown).await else { return Ok(()) };
         // Keyframe markers.
         let mut publisher =
             Publisher::new(self.shared.js.clone(), self.shared.config.nats.max_inflight);
-        // For reading ahead (direct gets on the command stream).
-        let stream = (stream.cached_info().config.allow_direct
-            && self.shared.config.storage.read_ahead > 0)
-            .then_some(stream);
         self.shared.ready.worker_bound();
+        self.purge_applied(&mut intake, &stream).await;
         let mut purge = tokio::time::interval(self.shared.config.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
         let mut in_hand: Option<InHand> = None;
+        // A message that failed waits until then before it is tried again.
+        let mut retry_at: Option<Instant> = None;
+        // What is pulled waits for a message of the other subject still on
+        // its way.
+        let mut blocked = false;
+        // Pulls that failed in a row: past a few, the consumers are taken as
+        // lost (a node of a cluster that held them gone) and bound again.
+        let mut pull_failures = 0u32;
         // Its own receiver: one the handlers wait on could miss the change.
         let stop = shutdown.clone();
         loop {
             if stop.is_started() {
                 break;
             }
+            let waiting = retry_at.is_some_and(|t| Instant::now() < t);
+            if intake.has_pending() && !waiting {
+                intake.take_ready(self.pull_limit());
+                match intake.up(&stream).await {
+                    Ok(Up::Wait) => blocked = true,
+                    Ok(up) => {
+                        blocked = false;
+                        retry_at = self.apply_up(&mut intake, up, &mut relay, &shutdown).await;
+                        intake.take_ready(self.pull_limit());
+                        self.purge_applied(&mut intake, &stream).await;
+                    }
+                    Err(e) => {
+                        warn!(partition = %self.partition, error = %chain(&e), "cannot tell what comes next; retrying");
+                        retry_at = Some(Instant::now() + self.backoff(1));
+                    }
+                }
+            }
+            let waiting = retry_at.is_some_and(|t| Instant::now() < t);
             tokio::select! {
                 biased;
                 _ = stop.started() => break,
-                next = messages.next() => {
-                    let msg = match next {
-                        Some(Ok(msg)) => msg,
-                        Some(Err(e)) if !self.consumer_missing(&e).await => {
-                            warn!(partition = %self.partition, error = %chain(&e), "pull failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            continue;
-                        }
-                        // The consumer is gone (deleted, or its state lost
-                        // with the servers): bound again, it starts over from
-                        // the oldest message left, as every acked one was
-                        // removed (work queue), and sequences already applied
-                        // are only acked.
-                        _ => {
-                            warn!(partition = %self.partition, "command consumer gone; binding it again");
-                            let Some((_, m)) = self.bind(&shutdown).await else { break };
-                            messages = m;
-                            continue;
-                        }
-                    };
-                    self.process(msg, stream.as_ref(), &mut relay, &shutdown).await;
-                }
+                next = intake.next(), if !intake.has_pending() || blocked => match next {
+                    Ok(()) => (blocked, pull_failures) = (false, 0),
+                    Err(e) if pull_failures < PULL_FAILURES_TO_REBIND && !self.consumer_missing(&e).await => {
+                        pull_failures += 1;
+                        warn!(partition = %self.partition, error = %chain(&e), "pull failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    // A consumer is gone (deleted, or lost with the servers
+                    // that held it): both created again, from where the
+                    // partition stands.
+                    Err(_) => {
+                        warn!(partition = %self.partition, "command consumer gone; binding it again");
+                        let Some((s, i)) = self.bind(&shutdown).await else { break };
+                        (stream, intake, retry_at, blocked, pull_failures) = (s, i, None, false, 0);
+                        self.purge_applied(&mut intake, &stream).await;
+                    }
+                },
+                _ = sleep_until(retry_at), if waiting => {}
                 Some(job) = jobs.recv() => self.plan_snapshots(job, &mut snapshots).await,
                 published = async { (&mut in_hand.as_mut().expect("guarded").task).await },
                     if in_hand.is_some() =>
@@ -444,6 +454,8 @@ impl Worker {
                     }
                 }
                 _ = purge.tick() => self.purge(&mut relay, &shutdown).await,
+                // Messages in hand go next, once the other work had its turn.
+                _ = std::future::ready(()), if intake.has_pending() && !waiting && !blocked => {}
             }
         }
         let dropped = snapshots.len() as u64;
@@ -454,19 +466,27 @@ impl Worker {
             let published = (&mut hand.task).await;
             self.finish_snapshot(hand, published, &mut publisher).await;
         }
-        // Stop pulling. With one message unacked at most, the next one may be
-        // on its way already: catch it, unsubscribe, then hand it back (nak)
-        // so that the next owner gets it at once instead of after the ack
-        // wait. Naked before unsubscribing, it would come back to us.
-        let held = match tokio::time::timeout(HANDBACK_WAIT, messages.next()).await {
-            Ok(Some(Ok(msg))) => Some(msg),
-            _ => None,
-        };
-        drop(messages);
-        if let Some(msg) = held {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
-        }
+        // What was applied is purged; what was pulled and not applied stays
+        // in the stream for the next owner (nothing was acked).
+        self.purge_applied(&mut intake, &stream).await;
         Ok(())
+    }
+
+    /// Messages pulled and held at most: what one commit may take together.
+    fn pull_limit(&self) -> usize {
+        1 + self.shared.config.storage.read_ahead
+    }
+
+    /// Purges what the partition applied from the command stream when it
+    /// is due (a failure is logged and tried again later: the messages stay
+    /// and are skipped by their sequence meanwhile).
+    async fn purge_applied(&self, intake: &mut Intake, stream: &jetstream::stream::Stream) {
+        if !intake.purge_due() {
+            return;
+        }
+        if let Err(e) = intake.purge(stream).await {
+            warn!(partition = %self.partition, error = %chain(&e), "cannot purge applied commands; later");
+        }
     }
 
     /// What this owner can vouch for without Redis.
@@ -480,4 +500,12 @@ impl Worker {
 fn stream_identity(stream: &jetstream::stream::Stream) -> String {
     let info = stream.cached_info();
     format!("{}@{}", info.config.name, info.created.unix_timestamp_nanos())
+}
+
+/// Sleeps until `at` (forever without one).
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
 }

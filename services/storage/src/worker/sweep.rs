@@ -15,9 +15,6 @@
 //! moves only with the message's last commit. The other partitions go on
 //! meanwhile; this one finishes the message before its next one.
 
-use std::time::{Duration, Instant};
-
-use async_nats::jetstream::{self, AckKind};
 use shelfsync_proto::{CommandBatch, RecordKey, Rejection, Sweep, SweepOutcome};
 use shelfsync_service::Drain;
 use tracing::{debug, warn};
@@ -34,8 +31,6 @@ use crate::store::{Commit, Fence, Position, StoreError, Writes};
 /// Records one sweep step marks absent at most (and generation entries one
 /// census step reads).
 pub(crate) const SWEEP_STEP: usize = 1000;
-/// How often a long message tells JetStream it is still being worked on.
-const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// How far a message applied in steps got, as kept in `{ns:pN}:step`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -102,27 +97,11 @@ struct StepCtx<'a> {
     shutdown: &'a Drain,
 }
 
-/// Keeps JetStream from redelivering a message that takes long.
-struct KeepAlive<'a> {
-    msg: &'a jetstream::Message,
-    last: Instant,
-}
-
-impl KeepAlive<'_> {
-    async fn tick(&mut self) {
-        if self.last.elapsed() >= PROGRESS_EVERY {
-            self.last = Instant::now();
-            let _ = self.msg.ack_with(AckKind::Progress).await;
-        }
-    }
-}
-
 impl Worker {
     /// Applies command message `seq` (its commands, then its sweeps) in
     /// bounded, resumable steps.
     pub(crate) async fn apply_in_steps(
         &self,
-        msg: &jetstream::Message,
         seq: u64,
         batch: &CommandBatch,
         trace: &TraceParts,
@@ -141,7 +120,6 @@ impl Worker {
             _ => return Err(HandleError::StepOfAnother { seq, step: at.step.clone() }),
         };
         let mut fence = Fence { at, stream: self.stream_identity() };
-        let mut alive = KeepAlive { msg, last: Instant::now() };
         if !step.commands_done && !batch.commands.is_empty() {
             let commands = CommandBatch { sweeps: Vec::new(), ..batch.clone() };
             let mut loaded = self.shared.store.load(p, &commands).await?;
@@ -199,7 +177,7 @@ impl Worker {
                     };
                     let census = match known {
                         Some(census) => census,
-                        None => self.census(s, &spared, &mut alive).await?,
+                        None => self.census(s, &spared).await?,
                     };
                     match sweep::decide(s, census, carried.is_some(), held.as_ref()) {
                         Decision::Apply => census,
@@ -218,7 +196,6 @@ impl Worker {
             // writer, one message at a time).
             let (mut cursor, mut scanning) = (0, census.candidates > 0);
             while scanning {
-                alive.tick().await;
                 let (next, column) =
                     self.shared.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
@@ -330,14 +307,12 @@ impl Worker {
         &self,
         s: &Sweep,
         spared: &impl Fn(&str, &GenEntry) -> bool,
-        alive: &mut KeepAlive<'_>,
     ) -> Result<Census, StoreError> {
         self.shared.stats.sweep_scanned();
         let mut census = Census::default();
         let mut read = std::collections::HashMap::new();
         let mut cursor = 0;
         loop {
-            alive.tick().await;
             let (next, column) =
                 self.shared.store.scan_gens(self.partition, s.place(), cursor, SWEEP_STEP).await?;
             for (id, e) in column {

@@ -1,0 +1,291 @@
+//! How a partition's command messages come in, and go once applied.
+//!
+//! The command stream keeps every message until storage purges it (limits
+//! retention): nothing is acked. Each owner of a partition reads it with two
+//! consumers of its own, one on the command subject and one on the sweep
+//! subject (`storage-p<N>-r<replica>` and `…-sweeps`), created when it binds
+//! at the partition's applied sequence + 1, without acks: so that it
+//! receives every message of the partition once, and a purge of one subject
+//! never moves the other's consumer (JetStream moves a consumer filtering on
+//! several subjects to the end of a subject purged empty, past what it had
+//! not delivered of the others). What the owner applied it purges, by
+//! subject, up to its applied sequence: one request and one write on the
+//! server for many messages, where an ack per message costs a stored
+//! tombstone — and an fsync — each (docs/PERFORMANCE.md).
+//!
+//! The two subjects are applied in stream order: the next message is the
+//! lowest sequence of the two, once the server confirms (a direct get of the
+//! other subject's next message) that no lower one of the other subject is
+//! still on its way. A message that fails is kept and tried again in place,
+//! never skipped: the next one waits behind it.
+//!
+//! Two owners of a partition for a while (a rescale with a stale split)
+//! each receive every message; the commit's fence lets one apply each, and
+//! the other skips it by its sequence.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::pull, stream::DirectGetErrorKind};
+use futures::{FutureExt, StreamExt};
+
+/// Messages and bytes one pull brings at most: bounded memory per
+/// partition, and enough to commit many together under load.
+const PULL_MESSAGES: usize = 64;
+const PULL_BYTES: usize = 4 * 1024 * 1024;
+/// Under load, the applied part of the stream is purged this often at most;
+/// idle, at once.
+const PURGE_EVERY: Duration = Duration::from_millis(250);
+/// An owner's consumers outlive a process gone without removing them this
+/// long (a live one pulls every few seconds).
+const INACTIVE_THRESHOLD: Duration = Duration::from_secs(60);
+
+/// One message pulled and not applied yet.
+pub(super) struct Pulled {
+    pub msg: jetstream::Message,
+    pub seq: u64,
+    /// Attempts to apply it that failed (its dead-lettering counts these).
+    pub attempts: u64,
+}
+
+/// What to apply next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Up {
+    /// The first `n` command messages pulled (none of the sweep subject
+    /// comes between them).
+    Commands(usize),
+    /// The first sweep message pulled.
+    Sweep,
+    /// A message of the other subject comes first and is still on its way.
+    Wait,
+}
+
+/// One of the partition's subjects: its consumer and what it pulled.
+struct Feed {
+    subject: String,
+    messages: pull::Stream,
+    buffer: VecDeque<Pulled>,
+    /// Messages of it were applied since its last purge.
+    dirty: bool,
+}
+
+impl Feed {
+    fn push(&mut self, msg: jetstream::Message) {
+        if let Ok(info) = msg.info() {
+            let seq = info.stream_sequence;
+            self.buffer.push_back(Pulled { msg, seq, attempts: 0 });
+        }
+    }
+
+    fn front(&self) -> Option<u64> {
+        self.buffer.front().map(|p| p.seq)
+    }
+
+    /// Takes in what has been pulled already, without waiting.
+    fn take_ready(&mut self, limit: usize) {
+        while self.buffer.len() < limit {
+            match self.messages.next().now_or_never() {
+                Some(Some(Ok(msg))) => self.push(msg),
+                _ => return,
+            }
+        }
+    }
+}
+
+/// The partition's two consumers, what they pulled and what was purged.
+pub(super) struct Intake {
+    commands: Feed,
+    sweeps: Feed,
+    /// The partition's applied sequence as far as this owner knows.
+    applied: u64,
+    last_purge: Instant,
+}
+
+/// The consumer config of an owner's consumer of `subject`, starting after
+/// `applied`.
+pub(super) fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config {
+    pull::Config {
+        description: Some(format!("shelfsync storage, {subject}")),
+        // Durable, so that it is replicated like the stream (it survives the
+        // loss of a node of a cluster), and removed by the server once its
+        // owner is gone for `INACTIVE_THRESHOLD`.
+        durable_name: Some(name),
+        filter_subject: subject,
+        deliver_policy: match applied {
+            0 => jetstream::consumer::DeliverPolicy::All,
+            n => jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: n + 1 },
+        },
+        ack_policy: jetstream::consumer::AckPolicy::None,
+        inactive_threshold: INACTIVE_THRESHOLD,
+        // Nothing rests on its state: the position is Redis's.
+        memory_storage: true,
+        ..Default::default()
+    }
+}
+
+async fn pull(
+    consumer: &jetstream::consumer::PullConsumer,
+) -> Result<pull::Stream, jetstream::consumer::StreamError> {
+    consumer
+        .stream()
+        .max_messages_per_batch(PULL_MESSAGES)
+        .max_bytes_per_batch(PULL_BYTES)
+        .expires(Duration::from_secs(10))
+        .heartbeat(Duration::from_secs(2))
+        .messages()
+        .await
+}
+
+impl Intake {
+    /// Pulls from the consumers of the command and sweep subjects
+    /// (`subjects`, in that order), the partition standing at `applied`.
+    pub(super) async fn start(
+        consumers: [&jetstream::consumer::PullConsumer; 2],
+        subjects: [String; 2],
+        applied: u64,
+    ) -> Result<Intake, jetstream::consumer::StreamError> {
+        let [commands, sweeps] = subjects;
+        let feed = |subject, messages| Feed {
+            subject,
+            messages,
+            buffer: VecDeque::new(),
+            // What an earlier owner applied may not have been purged (it
+            // stopped in between): purged at the first chance.
+            dirty: true,
+        };
+        Ok(Intake {
+            commands: feed(commands, pull(consumers[0]).await?),
+            sweeps: feed(sweeps, pull(consumers[1]).await?),
+            applied,
+            last_purge: Instant::now(),
+        })
+    }
+
+    pub(super) fn has_pending(&self) -> bool {
+        !self.commands.buffer.is_empty() || !self.sweeps.buffer.is_empty()
+    }
+
+    /// Waits for the next message of either subject and keeps it.
+    pub(super) async fn next(&mut self) -> Result<(), pull::MessagesError> {
+        let (commands, sweeps) = (&mut self.commands, &mut self.sweeps);
+        tokio::select! {
+            m = commands.messages.next() => match m {
+                Some(Ok(msg)) => commands.push(msg),
+                Some(Err(e)) => return Err(e),
+                None => std::future::pending::<()>().await,
+            },
+            m = sweeps.messages.next() => match m {
+                Some(Ok(msg)) => sweeps.push(msg),
+                Some(Err(e)) => return Err(e),
+                None => std::future::pending::<()>().await,
+            },
+        }
+        Ok(())
+    }
+
+    /// Takes in what has been pulled already, without waiting.
+    pub(super) fn take_ready(&mut self, limit: usize) {
+        self.commands.take_ready(limit);
+        self.sweeps.take_ready(limit);
+    }
+
+    /// What comes next in stream order. With messages of one subject only
+    /// in hand, the server says whether one of the other subject comes
+    /// before them (a direct get: a message stored later has a higher
+    /// sequence than every one in hand).
+    pub(super) async fn up(
+        &self,
+        stream: &jetstream::stream::Stream,
+    ) -> Result<Up, jetstream::stream::DirectGetError> {
+        let after = self.applied + 1;
+        let next_of = |subject: &str| {
+            let subject = subject.to_string();
+            async move {
+                match stream.direct_get_next_for_subject(subject, Some(after)).await {
+                    Ok(m) => Ok(Some(m.sequence)),
+                    Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let below = |limit: u64| self.commands.buffer.iter().take_while(|p| p.seq < limit).count();
+        Ok(match (self.commands.front(), self.sweeps.front()) {
+            (None, None) => Up::Wait,
+            (Some(c), Some(w)) if c < w => Up::Commands(below(w)),
+            (Some(_), Some(_)) => Up::Sweep,
+            (Some(c), None) => match next_of(&self.sweeps.subject).await? {
+                None => Up::Commands(self.commands.buffer.len()),
+                Some(w) if w < c => Up::Wait,
+                Some(w) => Up::Commands(below(w)),
+            },
+            (None, Some(w)) => match next_of(&self.commands.subject).await? {
+                Some(c) if c < w => Up::Wait,
+                _ => Up::Sweep,
+            },
+        })
+    }
+
+    /// The messages `up` names, in order.
+    pub(super) fn group(&mut self, up: Up) -> &[Pulled] {
+        match up {
+            Up::Commands(n) => &self.commands.buffer.make_contiguous()[..n],
+            Up::Sweep => &self.sweeps.buffer.make_contiguous()[..1],
+            Up::Wait => &[],
+        }
+    }
+
+    /// The first message of what `up` names failed once more.
+    pub(super) fn failed(&mut self, up: Up) {
+        let buffer = match up {
+            Up::Commands(_) => &mut self.commands.buffer,
+            Up::Sweep => &mut self.sweeps.buffer,
+            Up::Wait => return,
+        };
+        if let Some(p) = buffer.front_mut() {
+            p.attempts += 1;
+        }
+    }
+
+    /// The first `taken` messages of what `up` names were applied (or
+    /// skipped: applied before), the partition standing at `applied`.
+    pub(super) fn done(&mut self, up: Up, taken: usize, applied: u64) {
+        let buffer = match up {
+            Up::Commands(_) => &mut self.commands.buffer,
+            Up::Sweep => &mut self.sweeps.buffer,
+            Up::Wait => return,
+        };
+        buffer.drain(..taken.min(buffer.len()));
+        self.applied = self.applied.max(applied);
+        match up {
+            Up::Sweep => self.sweeps.dirty = true,
+            _ => self.commands.dirty = true,
+        }
+    }
+
+    /// Whether the applied part of the stream should be purged now: idle
+    /// (nothing pending), or not for a while.
+    pub(super) fn purge_due(&self) -> bool {
+        let dirty = self.commands.dirty || self.sweeps.dirty;
+        dirty
+            && self.applied > 0
+            && (!self.has_pending() || self.last_purge.elapsed() >= PURGE_EVERY)
+    }
+
+    /// Purges what was applied from each subject (a purge of one subject
+    /// moves its own consumer only, past nothing it has not delivered: all
+    /// of it below the applied sequence is applied).
+    pub(super) async fn purge(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+    ) -> Result<(), jetstream::stream::PurgeError> {
+        let upto = self.applied;
+        for feed in [&mut self.commands, &mut self.sweeps] {
+            if feed.dirty {
+                stream.purge().filter(feed.subject.as_str()).sequence(upto + 1).await?;
+                feed.dirty = false;
+            }
+        }
+        self.last_purge = Instant::now();
+        Ok(())
+    }
+}
