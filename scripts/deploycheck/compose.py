@@ -112,6 +112,8 @@ def check_compose():
             errors.append(f"{name}: NATS user {user} has no password in the nats service")
         elif env.get("SHELFSYNC__NATS__PASSWORD") != nats_env[pw_var]:
             errors.append(f"{name}: SHELFSYNC__NATS__PASSWORD ({env.get('SHELFSYNC__NATS__PASSWORD')}) differs from the server's {pw_var} ({nats_env[pw_var]})")
+        if env.get("SHELFSYNC__NATS__INBOX_PREFIX") != f"_INBOX_{user}":
+            errors.append(f"{name}: SHELFSYNC__NATS__INBOX_PREFIX must be _INBOX_{user} (the only inboxes its NATS user may read)")
         if name == "setup":
             if user != "admin" or svc.get("restart") != "no":
                 errors.append("setup: one-shot (restart: \"no\") as NATS user admin")

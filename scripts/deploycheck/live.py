@@ -114,7 +114,7 @@ def check_live():
     }
 
     def env_for(user, extra=None):
-        return {**base_env, "SHELFSYNC__NATS__USER": user,
+        return {**base_env, "SHELFSYNC__NATS__USER": user, "SHELFSYNC__NATS__INBOX_PREFIX": f"_INBOX_{user}",
                 "SHELFSYNC__NATS__PASSWORD": env_pw[f"NATS_{user.upper()}_PASSWORD"], **(extra or {})}
 
     def cli(args, timeout=90):

@@ -61,6 +61,8 @@ fn as_user(settings: &Settings, user: &str) -> Settings {
     let mut s = settings.clone();
     s.nats.user = Some(user.into());
     s.nats.password = Some(password(user));
+    // The only inboxes the user may subscribe to.
+    s.nats.inbox_prefix = format!("_INBOX_{user}");
     s
 }
 
@@ -70,6 +72,7 @@ async fn client_of(nats: &NatsServer, user: &str) -> (async_nats::Client, Arc<Mu
     let sink = errors.clone();
     let client = async_nats::ConnectOptions::new()
         .user_and_password(user.into(), password(user))
+        .custom_inbox_prefix(format!("_INBOX_{user}"))
         .event_callback(move |event| {
             let sink = sink.clone();
             async move {
@@ -570,7 +573,10 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
 /// stores nothing twice and trips no permission.
 #[tokio::test]
 async fn storage_reads_its_subjects_back_under_its_own_permissions() {
-    let (env, base) = authorized_servers().await;
+    let (env, mut base) = authorized_servers().await;
+    // Storage verifies the streams against its settings: setup writes the
+    // same one second dedup window.
+    base.nats.duplicate_window = Duration::from_secs(1);
     let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
     for i in 0..5 {
         h.send(vec![patch(BRAND, 1, &format!("sku-{i}"), &product("Roses", 100, 1), 0)])
@@ -582,11 +588,14 @@ async fn storage_reads_its_subjects_back_under_its_own_permissions() {
     let user = ("SHELFSYNC__NATS__USER", "storage");
     let pw = password("storage");
     let pass = ("SHELFSYNC__NATS__PASSWORD", pw.as_str());
-    let doomed_env = [window, user, pass, ("SHELFSYNC_FAILPOINT", "after_outbox_publish@1")];
+    let inbox = ("SHELFSYNC__NATS__INBOX_PREFIX", "_INBOX_storage");
+    let doomed_env =
+        [window, user, pass, inbox, ("SHELFSYNC_FAILPOINT", "after_outbox_publish@1")];
     let mut doomed = StorageProcess::start(&storage, &doomed_env).expect("storage");
     assert!(!doomed.wait_exit(Duration::from_secs(30)).await.expect("aborts").success());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _storage = StorageProcess::start(&storage, &[window, user, pass]).expect("storage again");
+    let _storage =
+        StorageProcess::start(&storage, &[window, user, pass, inbox]).expect("storage again");
     h.wait_settled().await;
     assert_eq!(h.changes().await.expect("changes").len(), 5, "each change once");
     let log = std::fs::read_to_string(env.nats.log_path()).expect("nats log");

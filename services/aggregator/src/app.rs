@@ -54,13 +54,14 @@ pub struct App {
 }
 
 impl App {
-    /// Connects to NATS and Redis, makes sure the streams exist and binds
-    /// the HTTP listener.
+    /// Connects to NATS and Redis, checks that the streams have the shape
+    /// the settings describe (read-only: `shelfsync setup` writes it) and
+    /// binds the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
         crate::metrics::register();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
+        shelfsync_bus::verify(&js, &settings.nats, settings.topology()).await?;
         let config = Config::from(&settings);
         let aggregator = Aggregator::connect(&config, client.clone()).await.with_context(|| {
             format!("cannot connect to Redis at {}", settings.redis.url_redacted())
