@@ -9,6 +9,8 @@
 //!   server, pollers, responders) instead of an ad-hoc channel;
 //! - [`Probes`]: `/healthz`, `/readyz` and Prometheus `/metrics`;
 //! - [`serve`]: an axum router on a listener until the drain starts;
+//!   [`serve_bounded`], the same for callers that may not be friendly
+//!   (connection cap, header and idle timeouts);
 //! - [`without_huge_pages`]: transparent huge pages off for the process
 //!   ([`start`] does it).
 //!
@@ -18,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod bounded;
 mod drain;
 mod pages;
 mod probes;
@@ -25,6 +28,7 @@ mod serve;
 mod signal;
 
 pub use args::{ConfigArgs, main, start};
+pub use bounded::{ConnLimits, serve_bounded};
 pub use drain::Drain;
 pub use pages::without_huge_pages;
 pub use probes::{Probes, Readiness};
