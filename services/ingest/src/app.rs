@@ -217,7 +217,10 @@ async fn push(
                 "the body was not received within {} (ingest.push_body_timeout); nothing swept",
                 humantime::format_duration(limit)
             );
-            return (StatusCode::REQUEST_TIMEOUT, Json(json!({ "error": message, "report": report })))
+            return (
+                StatusCode::REQUEST_TIMEOUT,
+                Json(json!({ "error": message, "report": report })),
+            )
                 .into_response();
         }
         Err(e) if e.is_bad_feed() => StatusCode::BAD_REQUEST,

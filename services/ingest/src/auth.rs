@@ -244,8 +244,11 @@ impl PushAuth {
                         anyhow!("partner `{name}`: push_tokens_file {}: {e}", path.display())
                     })?;
                     let tokens = tokens.iter().map(|t| digest(t.expose())).collect();
-                    let state =
-                        Mutex::new(FileState { signature: Some(signature), tokens, failing: false });
+                    let state = Mutex::new(FileState {
+                        signature: Some(signature),
+                        tokens,
+                        failing: false,
+                    });
                     Some(TokenFile { path: path.clone(), state })
                 }
             };

@@ -152,9 +152,8 @@ impl State {
             self.query::<()>(redis::cmd("DEL").arg(self.key(partner, "places"))).await?;
         }
         let from = cutoff(generation, forget_after).map_or("-inf".into(), |g| g.to_string());
-        let raw: Vec<String> = self
-            .query(redis::cmd("ZRANGEBYSCORE").arg(&seen).arg(from).arg("+inf"))
-            .await?;
+        let raw: Vec<String> =
+            self.query(redis::cmd("ZRANGEBYSCORE").arg(&seen).arg(from).arg("+inf")).await?;
         Ok(raw.iter().filter_map(|p| p.parse().ok()).collect())
     }
 

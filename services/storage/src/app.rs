@@ -115,6 +115,7 @@ impl App {
             format!("cannot connect to Redis at {}", config.redis.url_redacted())
         })?;
         shelfsync_bus::verify(&js, &config.nats, config.topology()).await?;
+        crate::read::read_tokens(&config.storage).context("the read API's tokens")?;
         let http = tokio::net::TcpListener::bind(&config.storage.http_listen)
             .await
             .with_context(|| format!("cannot listen on {}", config.storage.http_listen))?;

@@ -263,7 +263,8 @@ pub async fn provision(
             Ok(mut existing) => {
                 let info = existing.info().await.map_err(|e| err(e.to_string()))?;
                 if let (Some(have), Some(want)) =
-                    (info.config.metadata.get(PARTITIONS_KEY), config.metadata.get(PARTITIONS_KEY)) && have != want
+                    (info.config.metadata.get(PARTITIONS_KEY), config.metadata.get(PARTITIONS_KEY))
+                    && have != want
                 {
                     return Err(err(format!(
                         "the stream was created with {have} partitions, settings say {want}; \
@@ -298,10 +299,10 @@ pub async fn verify(
         let name = want.name.clone();
         match js.get_stream(&name).await {
             Ok(mut stream) => {
-                let info = stream
-                    .info()
-                    .await
-                    .map_err(|e| BusError::StreamInfo { stream: name.clone(), detail: e.to_string() })?;
+                let info = stream.info().await.map_err(|e| BusError::StreamInfo {
+                    stream: name.clone(),
+                    detail: e.to_string(),
+                })?;
                 found.extend(differences(&info.config, &want));
             }
             Err(e)
@@ -397,7 +398,8 @@ mod tests {
     #[test]
     fn the_configured_streams_have_no_differences_with_themselves() {
         let nats = NatsSettings::default();
-        let topology = Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
+        let topology =
+            Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
         for config in stream_configs(&nats, topology) {
             assert_eq!(differences(&config, &config), [], "{}", config.name);
         }
@@ -406,7 +408,8 @@ mod tests {
     #[test]
     fn what_the_suite_relies_on_is_compared_and_server_metadata_ignored() {
         let nats = NatsSettings::default();
-        let topology = Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
+        let topology =
+            Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
         let want = stream_configs(&nats, topology).remove(0);
         let mut have = want.clone();
         have.metadata.insert("_nats.req.level".into(), "1".into());

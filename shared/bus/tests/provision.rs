@@ -145,7 +145,9 @@ async fn verify_names_every_difference_and_asks_for_setup() -> anyhow::Result<()
     let cmd = Subjects::new(&s.nats.prefix).cmd_stream();
     for part in [
         format!("stream {cmd}: max_bytes is 1073741824, the settings say 2097152"),
-        format!("stream {cmd}: partitions (metadata shelfsync.partitions) is 4, the settings say 8"),
+        format!(
+            "stream {cmd}: partitions (metadata shelfsync.partitions) is 4, the settings say 8"
+        ),
         "duplicate_window is 120s, the settings say 7s".to_string(),
         "run `shelfsync setup`".to_string(),
     ] {

@@ -8,6 +8,7 @@
 //! - [`Drain`]: the one stop signal a service hands to its tasks (HTTP
 //!   server, pollers, responders) instead of an ad-hoc channel;
 //! - [`Probes`]: `/healthz`, `/readyz` and Prometheus `/metrics`;
+//! - [`ApiTokens`] and [`protect`]: an HTTP API behind bearer tokens;
 //! - [`serve`]: an axum router on a listener until the drain starts;
 //!   [`serve_bounded`], the same for callers that may not be friendly
 //!   (connection cap, header and idle timeouts);
@@ -19,6 +20,7 @@
 //! drain when `shutdown` resolves and waits for its tasks.
 #![forbid(unsafe_code)]
 
+mod api_tokens;
 mod args;
 mod bounded;
 mod drain;
@@ -27,6 +29,7 @@ mod probes;
 mod serve;
 mod signal;
 
+pub use api_tokens::{ApiTokens, protect};
 pub use args::{ConfigArgs, main, start};
 pub use bounded::{ConnLimits, serve_bounded};
 pub use drain::Drain;
