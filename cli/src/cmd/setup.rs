@@ -1,5 +1,7 @@
 //! `shelfsync setup`: create the streams or bring them to the configured
-//! shape (idempotent), then show what exists.
+//! shape (idempotent), then show what exists. The one writer of stream
+//! configuration: the services only verify it at start
+//! (`shelfsync_bus::verify`), so it runs as the NATS admin user.
 
 use anyhow::Context as _;
 
