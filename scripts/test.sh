@@ -20,6 +20,7 @@ else
   echo "[test] cargo-nextest not found; using cargo test" >&2
   cargo test --workspace --no-fail-fast
 fi
+scripts/test-kits.sh # the consumer kits for Python and TypeScript (kits/), against the binaries built above
 # The benchmark harness in its quick profile, so it cannot rot (CI checks
 # that it runs, not its numbers; docs/PERFORMANCE.md has the real figures).
 cargo run --quiet -p shelfsync-bench -- --quick --out "${CARGO_TARGET_DIR:-target}/bench-quick"

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use prost::Message;
-use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Publisher, Subjects};
+use shelfsync_bus::{CommandBatcher, Publisher, Subjects, command_bytes_limit};
 use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
 use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, msg_type};
 use shelfsync_recommender::{IndexHandler, SharedIndex};
@@ -148,7 +148,7 @@ impl Load {
             items: world.profile.items_per_place,
             rate,
             tick: world.profile.fresh_tick,
-            max_bytes: world.client.server_info().max_payload.saturating_sub(PAYLOAD_HEADROOM),
+            max_bytes: command_bytes_limit(world.client.server_info().max_payload),
             run_id,
         };
         Load { stop, task: tokio::spawn(generate(ctx, stopped)) }

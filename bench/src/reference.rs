@@ -23,7 +23,7 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use prost::Message;
 use redis::Value;
-use shelfsync_bus::{PAYLOAD_HEADROOM, Partition, Publisher, Subjects};
+use shelfsync_bus::{Partition, Publisher, Subjects, command_bytes_limit};
 use shelfsync_proto::{Change, ChangeBatch, ChangeKind, Command, CommandBatch, Record, msg_type};
 use shelfsync_settings::Settings;
 use shelfsync_storage::RedisConn;
@@ -74,8 +74,7 @@ pub async fn run(kind: RefKind, settings: Settings) -> anyhow::Result<()> {
     let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
     shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
     let redis = RedisConn::connect(&settings.redis).await.context("connecting to Redis")?;
-    let max_bytes =
-        client.server_info().max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
+    let max_bytes = command_bytes_limit(client.server_info().max_payload);
     let ctx = Arc::new(Ctx {
         kind,
         subjects: Subjects::new(&settings.nats.prefix),

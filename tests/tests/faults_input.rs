@@ -426,7 +426,7 @@ async fn compressed_batches_are_read_and_a_bad_encoding_is_dead_lettered_once() 
     };
     send(compress(&batch(vec![good("packed", 3)]).encode_to_vec()), LZ4).await.expect("sent");
     // Not an LZ4 block; a length prefix of 4 GiB; an encoding nobody knows.
-    send(b"\xff\xff\xff\x00 not lz4 at all".to_vec(), LZ4).await.expect("sent");
+    send(b"\x40\x00\x00\x00 not lz4 at all".to_vec(), LZ4).await.expect("sent");
     send(vec![255, 255, 255, 255, 1, 2, 3], LZ4).await.expect("sent");
     send(batch(vec![good("zstd", 1)]).encode_to_vec(), "zstd").await.expect("sent");
     // Plain protobuf still goes through after them.
@@ -439,11 +439,16 @@ async fn compressed_batches_are_read_and_a_bad_encoding_is_dead_lettered_once() 
     }
     assert!(stored(&h, 1, "zstd").await.is_none(), "an unknown encoding is not guessed at");
     let rejections = h.rejections().await.expect("rejections");
-    let details: Vec<&str> = rejections.iter().map(|r| r.detail.as_str()).collect();
-    assert!(rejections.iter().all(|r| r.reason == "undecodable"), "{rejections:?}");
+    let details: Vec<(&str, &str)> =
+        rejections.iter().map(|r| (r.reason.as_str(), r.detail.as_str())).collect();
     assert_eq!(details.len(), 3, "each bad message once: {details:?}");
-    assert!(details.iter().any(|d| d.contains("corrupt lz4")), "{details:?}");
-    assert!(details.iter().any(|d| d.contains("more than the")), "{details:?}");
-    assert!(details.iter().any(|d| d.contains("\"zstd\"")), "{details:?}");
+    let has =
+        |reason: &str, text: &str| details.iter().any(|(r, d)| *r == reason && d.contains(text));
+    assert!(has("undecodable", "corrupt lz4"), "{details:?}");
+    // Over the decoded limit (twice the server's max payload), before any allocation.
+    assert!(has("too_large", "more than the"), "{details:?}");
+    assert!(has("undecodable", "\"zstd\""), "{details:?}");
+    // Each kept whole, as it came, with the encoding it came with.
+    assert!(rejections.iter().all(|r| !r.raw.is_empty() && !r.raw_encoding.is_empty()));
     assert_eq!(Stats::get(&storage.stats.dead_lettered), 3);
 }

@@ -199,17 +199,38 @@ async fn list(ctx: &Context, args: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A rejection storage wrote for a command message it dead-lettered.
+/// A rejection storage wrote for a command message it dead-lettered (a
+/// `too_large` one of a whole message, not of one command: no key).
 fn is_dead_letter(r: &Rejection) -> bool {
-    r.reason == "undecodable" || r.reason == "failed"
+    r.reason == "undecodable"
+        || r.reason == "failed"
+        || (r.reason == "too_large" && r.key.is_none() && r.command.is_none())
 }
 
-/// Whether storage kept less than the whole message: it keeps the first
+/// Whether storage kept less than the whole message. It keeps it whole and
+/// says how it is encoded (`raw_encoding`); versions before kept the first
 /// 128 KiB, and less when the rejection had to be reduced to fit a message
-/// (its detail says so). A message of exactly 128 KiB counts as cut too:
-/// nothing tells it from a longer one.
+/// (its detail says so): from them, a message of exactly 128 KiB counts as
+/// cut too, as nothing tells it from a longer one.
 fn is_cut(r: &Rejection) -> bool {
+    if !r.raw_encoding.is_empty() {
+        return false;
+    }
     r.raw.len() >= MAX_RAW || r.detail.contains("[reduced to fit one message")
+}
+
+/// The plain protobuf of a dead-lettered message's raw copy (`None`: it
+/// does not decode as its encoding says).
+fn plain_raw(r: &Rejection) -> Option<bytes::Bytes> {
+    let raw = bytes::Bytes::copy_from_slice(&r.raw);
+    match r.raw_encoding.as_str() {
+        "" | "none" => Some(raw),
+        encoding => {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(shelfsync_bus::encoding::ENCODING_HEADER, encoding);
+            shelfsync_bus::encoding::decode(Some(&headers), &raw).ok()
+        }
+    }
 }
 
 /// The partition in a rejection's message id: storage names the rejection
@@ -289,6 +310,7 @@ fn dead_command_json(seq: u64, partition: Option<u32>, r: &Rejection) -> Value {
         "reason": r.reason,
         "detail": r.detail,
         "raw_bytes": r.raw.len(),
+        "raw_encoding": r.raw_encoding,
         "cut": is_cut(r),
     })
 }
@@ -299,7 +321,7 @@ async fn show_command(ctx: &Context, seq: u64) -> anyhow::Result<()> {
     let (r, partition) = dead_command(&stream, seq).await?;
     let mut v = dead_command_json(seq, partition, &r);
     // What the message says, when it decodes (a `failed` one does).
-    if let Ok(batch) = CommandBatch::decode(r.raw.as_slice())
+    if let Some(batch) = plain_raw(&r).and_then(|p| CommandBatch::decode(p).ok())
         && let Value::Object(m) = &mut v
     {
         m.insert(
@@ -331,7 +353,7 @@ async fn redrive_command(
             r.raw.len()
         );
     }
-    let decoded = CommandBatch::decode(r.raw.as_slice()).ok();
+    let decoded = plain_raw(&r).and_then(|p| CommandBatch::decode(p).ok());
     let has_sweeps = decoded.as_ref().is_some_and(|b| !b.sweeps.is_empty());
     let from_batch = decoded.map(|b| b.partition);
     let partition = match (partitions, from_id.or(from_batch)) {
@@ -356,10 +378,14 @@ async fn redrive_command(
     // Named after the dead letter: the same re-drive given twice within the
     // stream's duplicate window is stored once.
     let msg_id = format!("redrive:rejects:{seq}");
-    let publish = PublishMessage::build()
+    let mut publish = PublishMessage::build()
         .payload(r.raw.clone().into())
         .message_id(&msg_id)
         .header(TYPE_HEADER, msg_type::COMMAND_BATCH);
+    // As it came: compressed again, with the header that says so.
+    if !matches!(r.raw_encoding.as_str(), "" | "none") {
+        publish = publish.header(shelfsync_bus::encoding::ENCODING_HEADER, r.raw_encoding.as_str());
+    }
     let ack = js
         .send_publish(subject.clone(), publish)
         .await
@@ -456,5 +482,8 @@ mod tests {
         assert!(!is_cut(&r(100, "failed 5 times")));
         assert!(is_cut(&r(MAX_RAW, "failed 5 times")));
         assert!(is_cut(&r(100, "x [reduced to fit one message: 9 bytes of input left out]")));
+        // Kept whole, and saying so: never cut, whatever its size.
+        let whole = Rejection { raw_encoding: "lz4".into(), ..r(4 * MAX_RAW, "too_large") };
+        assert!(!is_cut(&whole));
     }
 }

@@ -1,12 +1,19 @@
-//! `shelfsync rebase [--partition N]... [--applied-seq N]`: resume the
-//! partitions storage refused because their command stream was replaced
-//! (deleted and created again: its sequences restarted, so the applied
-//! sequence storage kept counts in a stream that no longer exists).
+//! `shelfsync rebase [--partition N]... [--applied-seq N] [--drop-step]`:
+//! resume the partitions storage refused.
 //!
-//! Each storage replica adopts the stream as it is now for its refused
-//! partitions, taking every command up to `--applied-seq` as applied (0, the
-//! default: apply everything the new stream holds), and replies; the workers
-//! resume within seconds. A partition that is not refused is left alone.
+//! - Refused because their command stream was replaced (deleted and created
+//!   again: its sequences restarted, so the applied sequence storage kept
+//!   counts in a stream that no longer exists): each storage replica adopts
+//!   the stream as it is now, taking every command up to `--applied-seq` as
+//!   applied (0, the default: apply everything the new stream holds).
+//! - Refused because the command message they were applying in steps (a
+//!   sweep) is gone from the command stream (deleted by an operator, or
+//!   lost with the stream's files): with `--drop-step`, what was left of it
+//!   is dropped and the partition goes on with the messages after it; its
+//!   applied sequence and stream stay.
+//!
+//! Every replica replies; the workers resume within seconds. A partition
+//! that is not refused is left alone.
 
 use std::time::Duration;
 
@@ -25,6 +32,10 @@ pub struct Args {
     /// (0: apply everything the new stream holds).
     #[arg(long, value_name = "SEQ", default_value_t = 0)]
     applied_seq: u64,
+    /// Also resume the partitions whose half-applied message is gone,
+    /// dropping what was left of it (what it already applied stays).
+    #[arg(long)]
+    drop_step: bool,
     /// How long to wait for every storage replica's reply.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -34,8 +45,11 @@ pub struct Args {
 }
 
 pub async fn run(ctx: &Context, args: Args) -> anyhow::Result<()> {
-    let request =
-        RebaseRequest { partitions: args.partitions.clone(), applied_seq: args.applied_seq };
+    let request = RebaseRequest {
+        partitions: args.partitions.clone(),
+        applied_seq: args.applied_seq,
+        drop_step: args.drop_step,
+    };
     let subject = ctx.subjects().ctl_rebase();
     let is_failure = |r: &RebaseReply| !r.error.is_empty();
     let line = |r: &RebaseReply| render(r, args.json);

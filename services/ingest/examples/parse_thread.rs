@@ -8,7 +8,7 @@
 //! `parse_thread FEED [parse|full]`.
 
 use anyhow::Context;
-use shelfsync_bus::{EncodedBatcher, PAYLOAD_HEADROOM};
+use shelfsync_bus::{EncodedBatcher, command_bytes_limit};
 use shelfsync_ingest::feed::{FeedEvent, parse_feed};
 use shelfsync_ingest::item::{CommandContext, ItemRules, OwnedFields, to_encoded_command};
 use shelfsync_settings::{FeedFormat, Settings};
@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
     let mut batcher = EncodedBatcher::new(
         settings.storage.partitions,
         settings.ingest.batch_size,
-        (1 << 20) - PAYLOAD_HEADROOM,
+        command_bytes_limit(1 << 20),
     );
     let (mut items, mut rejects, mut batches) = (0u64, 0u64, 0usize);
     let file = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;

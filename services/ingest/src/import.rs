@@ -30,8 +30,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use prost::Message;
 use shelfsync_bus::{
-    EncodedBatch, EncodedBatcher, EncodedCommand, PAYLOAD_HEADROOM, Partition, Publisher, Subjects,
-    encoding, partition_of,
+    EncodedBatch, EncodedBatcher, EncodedCommand, Partition, Publisher, Subjects,
+    command_bytes_limit, encoding, partition_of,
 };
 use shelfsync_proto::{
     CommandBatch, Rejection, RejectionBatch, Sweep, SweepGuard, SweepsReply, SweepsRequest,
@@ -314,7 +314,7 @@ impl Importer {
             batcher: EncodedBatcher::new(
                 self.settings.topology.partitions,
                 self.settings.ingest.batch_size,
-                max_payload.saturating_sub(PAYLOAD_HEADROOM),
+                command_bytes_limit(max_payload),
             ),
             compression: self.settings.ingest.compression,
             batch_seq: HashMap::new(),

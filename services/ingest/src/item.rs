@@ -446,15 +446,7 @@ pub fn to_rejection(r: Reject, ctx: &CommandContext, published_at: i64) -> Rejec
         _ => None,
     };
     let (reason, detail, raw) = (r.reason.as_str().into(), r.detail, r.raw);
-    Rejection {
-        reason,
-        detail,
-        key,
-        raw,
-        origin: ctx.origin(published_at),
-        command: None,
-        sweep: None,
-    }
+    Rejection { reason, detail, key, raw, origin: ctx.origin(published_at), ..Default::default() }
 }
 
 #[cfg(test)]

@@ -29,9 +29,10 @@ use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::keyframe::{JobProgress, KeyframeJob, keyframe_id_at};
+use crate::known::Budget;
 use crate::metrics::{self, Stats};
 use crate::read::ReadApi;
-use crate::readiness::Readiness;
+use crate::readiness::{Readiness, Refusal};
 use crate::store::Store;
 use crate::worker::{Shared, Worker};
 
@@ -193,20 +194,23 @@ impl Service for App {
             self.config.storage.keyframe_rate,
             self.config.storage.keyframe_yield_after,
         );
-        let shared = Shared {
+        let known = self.config.storage.known_records;
+        let shared = Arc::new(Shared {
             config: self.config.clone(),
             subjects: subjects.clone(),
             js: self.js.clone(),
             store: self.store.clone(),
             stats: self.stats.clone(),
             max_bytes,
+            max_decoded: self.config.storage.max_message_bytes_for(max_payload),
             ready: self.ready.clone(),
             keyframe_limits,
-        };
+            known_budgets: (Budget::new(known), Budget::new(known)),
+        });
         for &p in &owned {
             let (job_tx, job_rx) = mpsc::channel(16);
             keyframer.workers.push((Partition(p), job_tx));
-            let worker = Arc::new(Worker::new(Partition(p), &shared));
+            let worker = Arc::new(Worker::new(Partition(p), shared.clone()));
             let rx = stop.clone();
             tasks.spawn(async move {
                 let p = worker.partition();
@@ -250,6 +254,7 @@ impl Service for App {
             self.store.clone(),
             subjects.clone(),
             owned,
+            (shared.known_budgets.clone(), self.stats.clone()),
             serving.clone(),
         ));
         let read = ReadApi::new(
@@ -305,13 +310,15 @@ impl Service for App {
 }
 
 /// Samples `shelfsync_consumer_lag{consumer}` (messages the partition
-/// consumers have not received yet) and `shelfsync_outbox_depth` every few
+/// consumers have not received yet), `shelfsync_outbox_depth` and the size
+/// of what is kept (`shelfsync_known_records`, `shelfsync_kept`) every few
 /// seconds until `stop` flips.
 async fn sample_gauges(
     js: async_nats::jetstream::Context,
     store: Store,
     subjects: Subjects,
     owned: Vec<u32>,
+    ((noops, live), stats): ((Budget, Budget), Arc<Stats>),
     stop: Drain,
 ) {
     let mut tick = tokio::time::interval(GAUGE_EVERY);
@@ -330,11 +337,18 @@ async fn sample_gauges(
                 }
             }
         }
-        let mut depth = 0u64;
+        let (mut depth, mut swept, mut touched) = (0u64, 0u64, 0u64);
         for &p in &owned {
             depth += store.outbox_len(Partition(p)).await.unwrap_or(0);
+            if let Ok((s, t)) = store.kept(Partition(p)).await {
+                (swept, touched) = (swept + s, touched + t);
+            }
         }
         metrics::outbox_depth(depth);
+        metrics::known_records(noops.used(), live.used());
+        metrics::kept("sweep_outcomes", swept);
+        metrics::kept("touched_sets", touched);
+        metrics::kept("keyframe_places_queued", Stats::get(&stats.keyframe_places_queued));
     }
 }
 
@@ -491,16 +505,31 @@ async fn rebase_refused(
     req: &RebaseRequest,
 ) -> RebaseReply {
     let mut reply = RebaseReply { replica, ..Default::default() };
-    for (p, found) in ready.refused() {
+    for (p, why) in ready.refused() {
         if !req.partitions.is_empty() && !req.partitions.contains(&p) {
             reply.refused.push(p);
             continue;
         }
-        match store.rebase(Partition(p), &found, req.applied_seq).await {
-            Ok(()) => {
-                info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
-                reply.rebased.push(p);
+        let done = match &why {
+            Refusal::StreamReplaced { found } => {
+                store.rebase(Partition(p), found, req.applied_seq).await.map(|()| {
+                    info!(partition = p, stream = %found, applied = req.applied_seq, "partition re-based by an operator");
+                    true
+                })
             }
+            // Only when asked: what was left of the message is dropped.
+            Refusal::StepGone { step } if req.drop_step => {
+                store.drop_step(Partition(p), step).await.inspect(|&dropped| {
+                    if dropped {
+                        info!(partition = p, step, "half-applied message's step dropped by an operator");
+                    }
+                })
+            }
+            Refusal::StepGone { .. } => Ok(false),
+        };
+        match done {
+            Ok(true) => reply.rebased.push(p),
+            Ok(false) => reply.refused.push(p),
             Err(e) => {
                 reply.error = format!("partition {p}: {e}");
                 reply.refused.push(p);

@@ -35,6 +35,9 @@ pub struct GenEntry {
     pub generation: i64,
     pub absent: bool,
     pub deleted: bool,
+    /// When the record last changed (read off the record bytes too; 0 where
+    /// it is not known: layout 1's hash, the owner's memory).
+    pub updated_at: i64,
 }
 
 impl GenEntry {
@@ -58,7 +61,7 @@ impl GenEntry {
             b'd' => (&s[..s.len() - 1], false, true),
             _ => (s, false, false),
         };
-        Some(GenEntry { generation: num.parse().ok()?, absent, deleted })
+        Some(GenEntry { generation: num.parse().ok()?, absent, deleted, updated_at: 0 })
     }
 }
 
@@ -88,6 +91,7 @@ impl Slot {
             generation: self.generation,
             absent: r.is_some_and(|r| r.absent),
             deleted: r.is_some_and(|r| r.deleted),
+            updated_at: r.map_or(0, |r| r.updated_at),
         }
     }
 }
@@ -270,8 +274,7 @@ fn reject(cmd: &Command, reason: &str, detail: String) -> Box<Rejection> {
         detail,
         key: cmd.key.clone(),
         origin: cmd.origin.clone(),
-        raw: Vec::new(),
-        sweep: None,
+        ..Default::default()
     })
 }
 

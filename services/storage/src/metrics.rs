@@ -46,6 +46,13 @@ pub struct Stats {
     /// Times a partition was refused (its command stream replaced).
     pub refused: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Retries of partitions waiting for room (Redis full or away, a stream
+    /// refusing the relay): backpressure, nothing set aside.
+    pub backpressure_retries: AtomicU64,
+    /// Times Redis was found behind a partition owner's last commit.
+    pub redis_went_back: AtomicU64,
+    /// Places queued for keyframes and not started yet, over the replica.
+    pub keyframe_places_queued: AtomicU64,
     pub keyframe_records: AtomicU64,
     /// Time keyframes gave way to late live changes, microseconds.
     pub keyframe_yield_us: AtomicU64,
@@ -76,6 +83,8 @@ impl Stats {
             "fenced": g(&self.fenced),
             "refused": g(&self.refused),
             "dead_lettered": g(&self.dead_lettered),
+            "backpressure_retries": g(&self.backpressure_retries),
+            "redis_went_back": g(&self.redis_went_back),
             "keyframe_records": g(&self.keyframe_records),
             "keyframe_place_max_us": g(&self.keyframe_place_max_us),
             "keyframe_yield_us": g(&self.keyframe_yield_us),
@@ -198,6 +207,35 @@ impl Stats {
     pub(crate) fn partition_resumed(&self, partition: Partition) {
         gauge!(names::PARTITION_REFUSED, "partition" => partition.to_string()).set(0.0);
     }
+
+    /// A partition starts (`on`) or stops waiting for room for `cause`.
+    pub(crate) fn backpressure(&self, partition: Partition, cause: &'static str, on: bool) {
+        let labels = [("partition", partition.to_string()), ("cause", cause.to_string())];
+        gauge!(names::PARTITION_BACKPRESSURE, &labels).set(if on { 1.0 } else { 0.0 });
+    }
+
+    /// One retry of a partition waiting for room.
+    pub(crate) fn backpressure_retry(&self, cause: &'static str) {
+        add(&self.backpressure_retries, 1);
+        counter!(names::BACKPRESSURE_RETRIES, "cause" => cause).increment(1);
+    }
+
+    /// Redis was found behind a partition owner's last commit.
+    pub(crate) fn redis_went_back(&self) {
+        add(&self.redis_went_back, 1);
+        counter!(names::REDIS_WENT_BACK).increment(1);
+    }
+}
+
+/// The size of what is kept (bounded, or with an expiry).
+pub(crate) fn known_records(noops: usize, live: usize) {
+    gauge!(names::KNOWN_RECORDS, "kind" => "noops").set(noops as f64);
+    gauge!(names::KNOWN_RECORDS, "kind" => "live").set(live as f64);
+}
+
+/// `n` things of `kind` kept (sweep outcomes, touched sets, keyframe places).
+pub(crate) fn kept(kind: &'static str, n: u64) {
+    gauge!(names::KEPT, "kind" => kind).set(n as f64);
 }
 
 /// Sweeps and purges.

@@ -1,18 +1,31 @@
-//! Storage's readiness (`/readyz`): every owned partition bound, no
-//! partition refused, not draining.
+//! Storage's readiness (`/readyz`): every owned partition bound, none
+//! refused, none held back by backpressure, not draining.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+/// Why a partition applies nothing until an operator acts (`shelfsync
+/// rebase`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its command stream was replaced (sequences restarted): `found` is
+    /// the identity of the stream found.
+    StreamReplaced { found: String },
+    /// The command message it was applying in steps (`step`, as recorded)
+    /// is gone from the command stream: its rest can never be applied.
+    StepGone { step: String },
+}
+
 /// Ready once every owned partition's consumer is bound, until shutdown
-/// starts (`/readyz`); not ready while a partition is refused.
+/// starts (`/readyz`); not ready while a partition is refused or held back.
 #[derive(Debug, Default)]
 pub struct Readiness {
     want: AtomicUsize,
     bound: AtomicUsize,
     draining: AtomicBool,
-    /// Partitions refused because their command stream was replaced, with
-    /// the identity of the stream found.
-    refused: std::sync::Mutex<std::collections::BTreeMap<u32, String>>,
+    refused: std::sync::Mutex<BTreeMap<u32, Refusal>>,
+    /// Partitions waiting for room, with the cause.
+    held_back: std::sync::Mutex<BTreeMap<u32, &'static str>>,
 }
 
 impl Readiness {
@@ -34,18 +47,34 @@ impl Readiness {
         !self.is_draining()
             && self.bound.load(Ordering::SeqCst) >= self.want.load(Ordering::SeqCst)
             && self.refused().is_empty()
+            && self.held_back().is_empty()
     }
-    /// `partition` applies nothing: its command stream is now `found`.
-    pub fn refuse(&self, partition: u32, found: String) {
-        self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(partition, found);
+    /// `partition` applies nothing until an operator acts.
+    pub fn refuse(&self, partition: u32, why: Refusal) {
+        lock(&self.refused).insert(partition, why);
     }
     pub fn unrefuse(&self, partition: u32) {
-        self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition);
+        lock(&self.refused).remove(&partition);
     }
-    /// The refused partitions and the identity of the stream each found.
-    pub fn refused(&self) -> std::collections::BTreeMap<u32, String> {
-        self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The refused partitions and why.
+    pub fn refused(&self) -> BTreeMap<u32, Refusal> {
+        lock(&self.refused).clone()
     }
+    /// `partition` waits for room (`cause`: the backpressure metric's label).
+    pub fn hold_back(&self, partition: u32, cause: &'static str) {
+        lock(&self.held_back).insert(partition, cause);
+    }
+    pub fn release(&self, partition: u32) {
+        lock(&self.held_back).remove(&partition);
+    }
+    /// The partitions waiting for room, with the cause.
+    pub fn held_back(&self) -> BTreeMap<u32, &'static str> {
+        lock(&self.held_back).clone()
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
@@ -63,5 +92,18 @@ mod tests {
         assert!(r.is_ready());
         r.drain();
         assert!(!r.is_ready() && r.is_draining());
+    }
+
+    #[test]
+    fn not_ready_while_a_partition_is_refused_or_held_back() {
+        let r = Readiness::default();
+        r.expect(0);
+        r.refuse(1, Refusal::StepGone { step: "7|1|0|0|0|0|0|0".into() });
+        assert!(!r.is_ready());
+        r.unrefuse(1);
+        r.hold_back(2, "redis_full");
+        assert!(!r.is_ready());
+        r.release(2);
+        assert!(r.is_ready());
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use prost::Message;
-use shelfsync_bus::{CommandBatcher, PAYLOAD_HEADROOM, Publisher, Subjects};
+use shelfsync_bus::{CommandBatcher, Publisher, Subjects, command_bytes_limit};
 use shelfsync_feed::{Handler, HandlerError, Update};
 use shelfsync_proto::{Command, CommandBatch, msg_type, now_us};
 use shelfsync_settings::{NatsSettings, Topology};
@@ -105,7 +105,7 @@ impl Validator {
             0 => DEFAULT_MAX_PAYLOAD,
             n => n,
         };
-        let max_bytes = max_payload.saturating_sub(PAYLOAD_HEADROOM).max(64 * 1024);
+        let max_bytes = command_bytes_limit(max_payload);
         let mut batcher = CommandBatcher::new(self.partitions, 1000, max_bytes);
         let mut batches: Vec<(shelfsync_bus::Partition, CommandBatch)> = Vec::new();
         for (d, cmd) in commands {

@@ -16,7 +16,8 @@ pub const ENCODING_HEADER: &str = "Shelfsync-Encoding";
 /// The value of [`ENCODING_HEADER`] for an LZ4 block after its length.
 pub const LZ4: &str = "lz4";
 
-/// No decoded payload is larger than this, whatever its length prefix says.
+/// No decoded payload is larger than this, whatever its length prefix says
+/// (a reader may set a lower limit: [`decode_within`]).
 pub const MAX_DECODED_BYTES: usize = 64 * 1024 * 1024;
 
 /// Why a payload cannot be decoded.
@@ -26,8 +27,8 @@ pub enum EncodingError {
     Unknown(String),
     #[error("{LZ4} payload of {0} bytes is too short for its length prefix")]
     Short(usize),
-    #[error("{LZ4} payload says it holds {0} bytes, more than the {MAX_DECODED_BYTES} allowed")]
-    TooLarge(usize),
+    #[error("{LZ4} payload says it holds {0} bytes, more than the {1} allowed")]
+    TooLarge(usize, usize),
     #[error("corrupt {LZ4} payload: {0}")]
     Corrupt(String),
 }
@@ -54,22 +55,36 @@ pub fn encode(compression: Compression, raw: Vec<u8>) -> (Bytes, Option<HeaderMa
 /// itself (not copied) when it is plain. Decode protobuf from the `Bytes`
 /// (not a slice of it): prost then copies each `bytes` field once, not twice.
 pub fn decode(headers: Option<&HeaderMap>, payload: &Bytes) -> Result<Bytes, EncodingError> {
-    let Some(encoding) = headers.and_then(|h| h.get(ENCODING_HEADER)) else {
-        return Ok(payload.clone());
-    };
-    match encoding.as_str() {
-        LZ4 => decompress(payload).map(Bytes::from),
-        other => Err(EncodingError::Unknown(other.to_string())),
+    decode_within(headers, payload, MAX_DECODED_BYTES)
+}
+
+/// [`decode`] refusing, before allocating anything, a payload that says it
+/// holds more than `max` bytes once decoded (a plain payload is what the
+/// server let through: its own limit holds it).
+pub fn decode_within(
+    headers: Option<&HeaderMap>,
+    payload: &Bytes,
+    max: usize,
+) -> Result<Bytes, EncodingError> {
+    match encoding_of(headers) {
+        None => Ok(payload.clone()),
+        Some(LZ4) => decompress(payload, max.min(MAX_DECODED_BYTES)).map(Bytes::from),
+        Some(other) => Err(EncodingError::Unknown(other.to_string())),
     }
 }
 
-fn decompress(payload: &[u8]) -> Result<Vec<u8>, EncodingError> {
+/// The encoding `headers` name (`None`: plain protobuf).
+pub fn encoding_of(headers: Option<&HeaderMap>) -> Option<&str> {
+    headers.and_then(|h| h.get(ENCODING_HEADER)).map(|v| v.as_str())
+}
+
+fn decompress(payload: &[u8], max: usize) -> Result<Vec<u8>, EncodingError> {
     let Some((len, block)) = payload.split_first_chunk::<4>() else {
         return Err(EncodingError::Short(payload.len()));
     };
     let len = u32::from_le_bytes(*len) as usize;
-    if len > MAX_DECODED_BYTES {
-        return Err(EncodingError::TooLarge(len));
+    if len > max {
+        return Err(EncodingError::TooLarge(len, max));
     }
     let mut out = vec![0; len];
     match lz4_flex::block::decompress_into(block, &mut out) {
@@ -119,7 +134,15 @@ mod tests {
         assert_eq!(decode(Some(&h), &b(b"ab")), Err(EncodingError::Short(2)));
         // A length prefix claiming 4 GiB is refused before anything is allocated.
         let huge = b(&[255, 255, 255, 255, 0]);
-        assert_eq!(decode(Some(&h), &huge), Err(EncodingError::TooLarge(u32::MAX as usize)));
+        let too_large = EncodingError::TooLarge(u32::MAX as usize, MAX_DECODED_BYTES);
+        assert_eq!(decode(Some(&h), &huge), Err(too_large));
+        // A reader's own limit is checked the same way, before anything is allocated.
+        let packed = b(&compress(&[7u8; 10_000]));
+        assert_eq!(
+            decode_within(Some(&h), &packed, 9_999),
+            Err(EncodingError::TooLarge(10_000, 9_999))
+        );
+        assert_eq!(decode_within(Some(&h), &packed, 10_000).map(|d| d.len()), Ok(10_000));
         let mut packed = compress(&[7u8; 10_000]);
         // Says one byte more than the block holds.
         packed[..4].copy_from_slice(&10_001u32.to_le_bytes());

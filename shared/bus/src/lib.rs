@@ -47,6 +47,18 @@ pub const TYPE_HEADER: &str = "Shelfsync-Type";
 /// Room kept under the server's max payload for headers and batch framing.
 pub const PAYLOAD_HEADROOM: usize = 8 * 1024;
 
+/// How far below the server's `max_payload` the command stream's largest
+/// message stays (its `max_message_size`, set by [`provision`]): room for a
+/// dead-lettered command message to travel whole, with its reason, in one
+/// rejection on the REJECTS stream.
+pub const CMD_HEADROOM: usize = 16 * 1024;
+
+/// The largest command message payload a producer may send to a server of
+/// `max_payload`: under the command stream's limit, with room for headers.
+pub fn command_bytes_limit(max_payload: usize) -> usize {
+    max_payload.saturating_sub(CMD_HEADROOM + PAYLOAD_HEADROOM).max(64 * 1024)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     #[error("cannot connect to NATS at {url}: {source}")]
@@ -256,7 +268,11 @@ pub async fn provision(
     nats: &NatsSettings,
     topology: Topology,
 ) -> Result<(), BusError> {
-    for config in stream_configs(nats, topology) {
+    let max_payload = js.client().server_info().max_payload;
+    for mut config in stream_configs(nats, topology) {
+        if config.name == Subjects::new(&nats.prefix).cmd_stream() {
+            config.max_message_size = cmd_max_message_size(max_payload);
+        }
         let name = config.name.clone();
         let err = |detail: String| BusError::Provision { stream: name.clone(), detail };
         match js.get_stream(&name).await {
@@ -295,9 +311,17 @@ pub async fn verify(
     topology: Topology,
 ) -> Result<(), BusError> {
     let mut found = Vec::new();
-    for want in stream_configs(nats, topology) {
+    let cmd = Subjects::new(&nats.prefix).cmd_stream();
+    for mut want in stream_configs(nats, topology) {
         let name = want.name.clone();
-        match js.get_stream(&name).await {
+        let got = js.get_stream(&name).await;
+        // As `provision` sets it: below this server's max payload (known
+        // once a request got through: a client that connects in the
+        // background has no server info before).
+        if name == cmd {
+            want.max_message_size = cmd_max_message_size(js.client().server_info().max_payload);
+        }
+        match got {
             Ok(mut stream) => {
                 let info = stream.info().await.map_err(|e| BusError::StreamInfo {
                     stream: name.clone(),
@@ -318,7 +342,8 @@ pub async fn verify(
 }
 
 /// How an existing stream's configuration differs from the wanted one, in
-/// what the suite relies on: subjects, retention, limits, storage,
+/// what the suite relies on: subjects, retention, limits (bytes, age,
+/// message size), storage,
 /// replicas, discard policy, duplicate window, direct gets and the command
 /// stream's partition count. What the server adds of its own (metadata
 /// under `_nats.`, defaults of fields the suite leaves alone) is ignored.
@@ -340,6 +365,9 @@ pub fn differences(have: &stream::Config, want: &stream::Config) -> Vec<Differen
     push("discard", format!("{:?}", have.discard), format!("{:?}", want.discard));
     push("max_bytes", have.max_bytes.to_string(), want.max_bytes.to_string());
     push("max_age", format!("{:?}", have.max_age), format!("{:?}", want.max_age));
+    // 0 (a config's default) and -1 (what the server answers) both mean unlimited.
+    let size = |v: i32| if v <= 0 { "unlimited".to_string() } else { v.to_string() };
+    push("max_message_size", size(have.max_message_size), size(want.max_message_size));
     // The server caps the duplicate window at max_age.
     let window = match want.max_age {
         age if !age.is_zero() && want.duplicate_window > age => age,
@@ -352,6 +380,11 @@ pub fn differences(have: &stream::Config, want: &stream::Config) -> Vec<Differen
         push("partitions (metadata shelfsync.partitions)", had, partitions.clone());
     }
     out
+}
+
+/// The command stream's largest message on a server of `max_payload`.
+pub fn cmd_max_message_size(max_payload: usize) -> i32 {
+    i32::try_from(max_payload.saturating_sub(CMD_HEADROOM)).unwrap_or(i32::MAX)
 }
 
 /// Asks storage for a keyframe now — of every place (`place = None`) or of

@@ -6,7 +6,8 @@
 //!   use it anywhere a `redis::aio::ConnectionLike` goes (`query_async`,
 //!   pipelines, scripts). Cheap to clone: both variants multiplex one
 //!   connection per node and reconnect on their own.
-//! - [`is_transient`]: whether a failed call is worth retrying later.
+//! - [`is_transient`] / [`is_content_error`]: whether a failed call is worth
+//!   retrying later, or the same input will always hit it; [`is_out_of_room`].
 //! - [`key_slot`] / [`group_by_slot`]: the cluster hash slot of a key, and
 //!   items grouped by slot so that each pipeline stays on one slot.
 //!
@@ -162,29 +163,48 @@ impl ConnectionLike for RedisConn {
     }
 }
 
-/// Worth retrying later — server down or restarting, a timeout, a cluster
-/// failover or resharding in progress — as opposed to an error the same
-/// input will hit again (a script error, a wrong type, `CROSSSLOT`).
+/// Worth retrying later: anything but an error the same command will hit
+/// again whatever the server's state ([`is_content_error`]). A server down,
+/// restarting, loading, failing over, out of memory (`OOM`), unable to
+/// persist (`MISCONF`, a full disk), short of replicas (`NOREPLICAS`), or
+/// refusing a user the operator has not granted enough yet (`NOPERM`) will
+/// take the same command once it has room again: for a caller that must
+/// lose nothing, these are backpressure, never a reason to set data aside.
 pub fn is_transient(e: &RedisError) -> bool {
-    e.is_io_error()
-        || e.is_connection_refusal()
-        || e.is_timeout()
-        || e.is_connection_dropped()
-        || e.is_unrecoverable_error()
-        || matches!(
-            e.code(),
-            Some(
-                "LOADING"
-                    | "TRYAGAIN"
-                    | "CLUSTERDOWN"
-                    | "MASTERDOWN"
-                    | "BUSY"
-                    | "READONLY"
-                    | "NOAUTH"
-                    | "MOVED"
-                    | "ASK"
-            )
-        )
+    !is_content_error(e)
+}
+
+/// An error the same command hits again however long one waits: a reply
+/// the client cannot read, a key of the wrong type, keys across slots, or a
+/// plain `ERR` (a script error on this input, a value over a server limit)
+/// that names no resource.
+pub fn is_content_error(e: &RedisError) -> bool {
+    use redis::ErrorKind as K;
+    match e.kind() {
+        K::Parse | K::UnexpectedReturnType | K::Client => true,
+        K::Server(_) | K::Extension => match e.code() {
+            Some("WRONGTYPE" | "CROSSSLOT") => true,
+            Some("ERR") => !names_a_resource(e),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Whether `e` says the server is out of room (memory, disk, replicas):
+/// only more room (or a lower load) ends it.
+pub fn is_out_of_room(e: &RedisError) -> bool {
+    matches!(e.code(), Some("OOM" | "MISCONF" | "NOREPLICAS")) || names_a_resource(e)
+}
+
+/// An error text that names a resource (a script's error keeps the code of
+/// the command that failed inside it, but an `ERR` may still quote one).
+fn names_a_resource(e: &RedisError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    // A transaction's abort quotes each refused command's error (`"OOM": …`).
+    ["\"oom\"", "oom ", "> 'maxmemory'", "misconf", "no space left", "out of memory", "noreplicas"]
+        .iter()
+        .any(|m| text.contains(m))
 }
 
 /// The Redis Cluster hash slot of `key`: CRC16 (XMODEM) of the key's hash tag
@@ -291,6 +311,61 @@ mod tests {
         let err =
             redis::cmd("GET").arg("k").query_async::<String>(&mut conn).await.expect_err("down");
         assert!(is_transient(&err), "{err}");
+    }
+
+    /// A full Redis (`maxmemory` reached, `noeviction`, as deployments ship
+    /// it) refuses writes — plain, in a script, in a transaction — with
+    /// errors that are backpressure, never content; a wrong type is content.
+    #[tokio::test]
+    async fn a_full_redis_is_backpressure_and_a_wrong_type_is_content() {
+        let server =
+            shelfsync_testkit::RedisServer::start_with_args(&["--maxmemory-policy", "noeviction"])
+                .await
+                .expect("redis");
+        let mut conn = RedisConn::connect(&settings(server.url(), false)).await.expect("connect");
+        let _: () = redis::cmd("SET").arg("s").arg("v").query_async(&mut conn).await.expect("set");
+        let err = redis::cmd("LPUSH").arg("s").arg(1).query_async::<()>(&mut conn).await;
+        let err = err.expect_err("wrong type");
+        assert!(is_content_error(&err) && !is_transient(&err), "{err}");
+        let err = redis::cmd("EVAL")
+            .arg("return redis.call('NOPE')")
+            .arg(0)
+            .query_async::<()>(&mut conn)
+            .await
+            .expect_err("script error");
+        assert!(is_content_error(&err), "{err}");
+        // Full: maxmemory below what is used.
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(1)
+            .query_async(&mut conn)
+            .await
+            .expect("config");
+        let plain = redis::cmd("SET").arg("k").arg("v").query_async::<()>(&mut conn).await;
+        let script = redis::cmd("EVAL")
+            .arg("return redis.call('SET', KEYS[1], 'v')")
+            .arg(1)
+            .arg("k")
+            .query_async::<()>(&mut conn)
+            .await;
+        let multi = redis::pipe()
+            .atomic()
+            .cmd("XADD")
+            .arg("{t}:s")
+            .arg("*")
+            .arg("e")
+            .arg("v")
+            .cmd("SET")
+            .arg("{t}:k")
+            .arg("v")
+            .query_async::<()>(&mut conn)
+            .await;
+        for (what, result) in [("plain", plain), ("script", script), ("multi", multi)] {
+            let err = result.expect_err(what);
+            assert!(is_transient(&err) && !is_content_error(&err), "{what}: {err}");
+            assert!(is_out_of_room(&err), "{what}: {err}");
+        }
     }
 
     #[tokio::test]

@@ -60,13 +60,20 @@ pub struct StorageSettings {
     /// one delivered, to commit them together (0: one message at a time).
     /// More means fewer Redis and NATS round trips per message under load.
     pub read_ahead: usize,
-    /// Records per partition whose owner remembers, in memory, the PATCHes
-    /// that change nothing on them (a few hashes, about 70 bytes a record),
-    /// so that an identical re-import of them reads nothing from Redis
-    /// (0: off). Past it, records not yet remembered go through Redis. The
-    /// same bound holds the live records' generations it keeps per place
-    /// (about 30 bytes a record), so a sweep counts without scanning Redis.
+    /// Records per replica (over all its partitions) whose owners remember,
+    /// in memory, the PATCHes that change nothing on them (a few hashes,
+    /// about 70 bytes a record), so that an identical re-import of them
+    /// reads nothing from Redis (0: off). Past it, records not yet
+    /// remembered go through Redis. The same bound, separately, holds the
+    /// live records' generations kept per place (about 30 bytes a record),
+    /// so a sweep counts without scanning Redis: at most about 100 bytes
+    /// times this, whatever the number of partitions.
     pub known_records: usize,
+    /// Largest command message once decoded (an `lz4` payload says how
+    /// large it is before anything is allocated); a larger one is set aside
+    /// whole as `too_large`. 0: twice the server's `max_payload` (a command
+    /// batch is under it uncompressed).
+    pub max_message_bytes: usize,
     /// HTTP listen address of storage (read API, health).
     pub http_listen: String,
     /// Largest number of keys in one batch read, and of records in one page.
@@ -99,7 +106,8 @@ impl Default for StorageSettings {
             keyframe_rate: 50_000,
             keyframe_yield_after: Duration::ZERO,
             read_ahead: 32,
-            known_records: 1_000_000,
+            known_records: 2_000_000,
+            max_message_bytes: 0,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
             read_tokens_file: None,
@@ -127,6 +135,15 @@ impl StorageSettings {
             partitions: self.partitions,
             storage_replicas: self.replicas,
             tombstone_ttl: self.tombstone_ttl,
+        }
+    }
+
+    /// The decoded size limit of a command message on a server of
+    /// `max_payload` (`max_message_bytes`, or twice `max_payload`).
+    pub fn max_message_bytes_for(&self, max_payload: usize) -> usize {
+        match self.max_message_bytes {
+            0 => max_payload.saturating_mul(2),
+            n => n,
         }
     }
 

@@ -103,6 +103,20 @@ pub mod names {
     /// Storage: commits that waited for Redis replicas (`redis.wait_replicas`)
     /// longer than one `redis.wait_timeout`.
     pub const REDIS_WAIT_RETRIES: &str = "shelfsync_redis_wait_retries_total";
+    /// Storage: 1 while a partition waits for room (`cause`: redis_full,
+    /// redis, redis_replicas, nats_refused, nats).
+    pub const PARTITION_BACKPRESSURE: &str = "shelfsync_partition_backpressure";
+    /// Storage: retries of a partition waiting for room, by cause.
+    pub const BACKPRESSURE_RETRIES: &str = "shelfsync_backpressure_retries_total";
+    /// Storage: times Redis was found behind a partition owner's last commit
+    /// (a failover to a lagging replica, a restart from an older file).
+    pub const REDIS_WENT_BACK: &str = "shelfsync_redis_went_back_total";
+    /// Storage: what the partition owners of a replica remember, by kind
+    /// (noops, live), against `storage.known_records` each.
+    pub const KNOWN_RECORDS: &str = "shelfsync_known_records";
+    /// Storage: sweep outcomes and touched sets kept in Redis, by kind, and
+    /// keyframe places queued in memory.
+    pub const KEPT: &str = "shelfsync_kept";
 }
 
 /// Bucket bounds (seconds) of every `*_seconds` histogram.
@@ -243,7 +257,8 @@ fn describe() {
     );
     describe_gauge!(
         PARTITION_REFUSED,
-        "1 while a partition is refused: its command stream was replaced"
+        "1 while a partition is refused: its command stream was replaced, or the message it was \
+         applying in steps is gone"
     );
     describe_counter!(SWEEPS_HELD, "Sweeps held instead of applied, by reason");
     describe_counter!(SWEEPS_APPLIED, "Sweeps applied");
@@ -255,6 +270,20 @@ fn describe() {
     describe_counter!(
         REDIS_WAIT_RETRIES,
         "Commits whose Redis replicas did not confirm within one wait timeout"
+    );
+    describe_gauge!(
+        PARTITION_BACKPRESSURE,
+        "1 while a partition waits for room (Redis full or away, a stream refusing), by cause"
+    );
+    describe_counter!(BACKPRESSURE_RETRIES, "Retries of partitions waiting for room, by cause");
+    describe_counter!(
+        REDIS_WENT_BACK,
+        "Times Redis was found behind a partition owner's last commit (what it remembered dropped)"
+    );
+    describe_gauge!(KNOWN_RECORDS, "Records the partition owners remember in memory, by kind");
+    describe_gauge!(
+        KEPT,
+        "Things kept that have a bound or an expiry (sweep outcomes, touched sets, keyframe places queued)"
     );
 }
 

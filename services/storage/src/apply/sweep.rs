@@ -245,7 +245,8 @@ mod tests {
     #[test]
     fn the_census_counts_live_records_and_candidates() {
         let mut c = Census::default();
-        let e = |generation, absent, deleted| GenEntry { generation, absent, deleted };
+        let e =
+            |generation, absent, deleted| GenEntry { generation, absent, deleted, updated_at: 0 };
         for entry in [e(1, false, false), e(2, false, false), e(1, true, false), e(1, false, true)]
         {
             c.count(&entry, 2, false);

@@ -667,7 +667,10 @@ fn a_sweep_marks_records_missing_from_the_import_absent() {
         assert_eq!((o.source.as_str(), o.import_id.as_str()), ("flowers", "import-2000"));
     }
     assert!(store.record("b").absent && store.record("c").absent);
-    assert_eq!(store.gen_entry("b"), GenEntry { generation: G1, absent: true, deleted: false });
+    assert_eq!(
+        store.gen_entry("b"),
+        GenEntry { generation: G1, absent: true, deleted: false, updated_at: 0 }
+    );
     let a = store.record("a");
     assert!(!a.absent);
     assert_eq!(a.updated_at, T0, "a record of the sweeping import is untouched");
@@ -871,7 +874,10 @@ fn delete_leaves_a_tombstone_and_reports_deleted() {
     assert_eq!(run.slot("sku").tombstone, Some(true));
     assert!(store.tombstones.contains(&key("sku")));
     assert!(store.record("sku").deleted);
-    assert_eq!(store.gen_entry("sku"), GenEntry { generation: G1, absent: false, deleted: true });
+    assert_eq!(
+        store.gen_entry("sku"),
+        GenEntry { generation: G1, absent: false, deleted: true, updated_at: 0 }
+    );
 }
 
 #[test]
@@ -1244,7 +1250,8 @@ fn touched_lists_each_valid_key_once_and_each_swept_place_once() {
 
 #[test]
 fn sweep_candidates_are_live_entries_below_the_generation() {
-    let entry = |generation, absent, deleted| GenEntry { generation, absent, deleted };
+    let entry =
+        |generation, absent, deleted| GenEntry { generation, absent, deleted, updated_at: 0 };
     let column = vec![
         ("old".to_string(), entry(G1, false, false)),
         ("delta".to_string(), entry(0, false, false)),
@@ -1271,7 +1278,7 @@ fn gen_entry_round_trips_every_flag_it_encodes() {
         for (absent, deleted, suffix) in
             [(false, false, ""), (true, false, "a"), (false, true, "d")]
         {
-            let e = GenEntry { generation, absent, deleted };
+            let e = GenEntry { generation, absent, deleted, updated_at: 0 };
             assert_eq!(e.encode(), format!("{generation}{suffix}"));
             assert_eq!(GenEntry::decode(e.encode().as_bytes()), Some(e));
         }
@@ -1282,7 +1289,7 @@ fn gen_entry_round_trips_every_flag_it_encodes() {
 /// skips absent and deleted records alike, so nothing depends on the loss.
 #[test]
 fn gen_entry_of_an_absent_deleted_record_decodes_as_deleted() {
-    let both = GenEntry { generation: G1, absent: true, deleted: true };
+    let both = GenEntry { generation: G1, absent: true, deleted: true, updated_at: 0 };
 
     let decoded = GenEntry::decode(both.encode().as_bytes()).expect("decodes");
 
@@ -1821,7 +1828,7 @@ proptest! {
 
     #[test]
     fn gen_entry_round_trips_any_generation(generation in any::<i64>(), flag in 0..3u8) {
-        let e = GenEntry { generation, absent: flag == 1, deleted: flag == 2 };
+        let e = GenEntry { generation, absent: flag == 1, deleted: flag == 2, updated_at: 0 };
         prop_assert_eq!(GenEntry::decode(e.encode().as_bytes()), Some(e));
     }
 }

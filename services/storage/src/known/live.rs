@@ -31,7 +31,7 @@ use std::collections::HashSet;
 
 use shelfsync_proto::PlaceKey;
 
-use super::key_hash;
+use super::{Budget, key_hash};
 use crate::apply::sweep::Census;
 use crate::apply::{FastMap, GenEntry, Slots};
 
@@ -39,9 +39,9 @@ use crate::apply::{FastMap, GenEntry, Slots};
 pub struct LivePlaces {
     /// Per known place: its records.
     places: FastMap<PlaceKey, Place>,
-    /// Records kept, over all places.
+    /// Records kept, over all places (taken from `budget`).
     records: usize,
-    capacity: usize,
+    budget: Budget,
 }
 
 /// The stored records of a known place.
@@ -63,11 +63,12 @@ impl Place {
 type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 impl LivePlaces {
-    pub fn new(capacity: usize) -> Self {
-        Self { places: FastMap::default(), records: 0, capacity }
+    pub fn new(budget: Budget) -> Self {
+        Self { places: FastMap::default(), records: 0, budget }
     }
 
     pub fn clear(&mut self) {
+        self.budget.give(self.records);
         self.places.clear();
         self.records = 0;
     }
@@ -87,7 +88,7 @@ impl LivePlaces {
                 kept.gone.insert(k);
             }
         }
-        if self.records + kept.len() <= self.capacity {
+        if self.budget.take(kept.len()) {
             self.records += kept.len();
             self.places.insert(place, kept);
         }
@@ -126,9 +127,17 @@ impl LivePlaces {
                     kept.gone.remove(&k);
                 }
             }
-            self.records = self.records + kept.len() - before;
-            if self.records > self.capacity {
-                self.forget(place);
+            let after = kept.len();
+            if after < before {
+                self.budget.give(before - after);
+                self.records -= before - after;
+            } else if self.budget.take(after - before) {
+                self.records += after - before;
+            } else {
+                // Past the bound: forgotten whole (what it held given back).
+                self.places.remove(&place);
+                self.budget.give(before);
+                self.records -= before;
             }
         }
     }
@@ -149,7 +158,7 @@ impl LivePlaces {
             .collect();
         let mut census = Census::default();
         for (k, &g) in live {
-            let e = GenEntry { generation: g, absent: false, deleted: false };
+            let e = GenEntry { generation: g, ..Default::default() };
             census.count(&e, generation, carried.contains(k));
         }
         Some(census)
@@ -158,7 +167,14 @@ impl LivePlaces {
     fn forget(&mut self, place: PlaceKey) {
         if let Some(kept) = self.places.remove(&place) {
             self.records -= kept.len();
+            self.budget.give(kept.len());
         }
+    }
+}
+
+impl Drop for LivePlaces {
+    fn drop(&mut self) {
+        self.budget.give(self.records);
     }
 }
 
@@ -171,7 +187,7 @@ mod tests {
     const PLACE: PlaceKey = PlaceKey { brand_id: 7, place_id: 1 };
 
     fn entry(id: &str, generation: i64, absent: bool) -> (u128, GenEntry) {
-        (key_hash(7, 1, id), GenEntry { generation, absent, deleted: false })
+        (key_hash(7, 1, id), GenEntry { generation, absent, ..Default::default() })
     }
 
     fn written(id: &str, generation: i64, absent: bool, deleted: bool) -> Slots {
@@ -190,7 +206,7 @@ mod tests {
 
     #[test]
     fn a_place_is_known_only_from_a_scan() {
-        let mut live = LivePlaces::new(10);
+        let mut live = LivePlaces::new(Budget::new(10));
         live.written(&written("a", 1, false, false));
         assert_eq!(live.census(PLACE, 2, None), None, "a write alone says nothing of the rest");
         live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false), entry("c", 1, true)]);
@@ -200,7 +216,7 @@ mod tests {
 
     #[test]
     fn writes_keep_a_known_place_true() {
-        let mut live = LivePlaces::new(10);
+        let mut live = LivePlaces::new(Budget::new(10));
         live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false)]);
         live.written(&written("c", 2, false, false));
         live.written(&written("b", 1, true, false));
@@ -217,7 +233,7 @@ mod tests {
 
     #[test]
     fn a_known_place_says_which_records_are_stored() {
-        let mut live = LivePlaces::new(10);
+        let mut live = LivePlaces::new(Budget::new(10));
         assert_eq!(live.stored(PLACE, "a"), None, "an unknown place says nothing");
         live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, true)]);
         assert_eq!(live.stored(PLACE, "a"), Some(true));
@@ -233,7 +249,7 @@ mod tests {
 
     #[test]
     fn an_unwritten_slot_changes_nothing() {
-        let mut live = LivePlaces::new(10);
+        let mut live = LivePlaces::new(Budget::new(10));
         live.scanned(PLACE, [entry("a", 1, false)]);
         let mut slots = written("a", 1, true, false);
         slots.values_mut().for_each(|s| s.record_dirty = false);
@@ -243,7 +259,7 @@ mod tests {
 
     #[test]
     fn past_its_capacity_a_place_is_forgotten_whole() {
-        let mut live = LivePlaces::new(2);
+        let mut live = LivePlaces::new(Budget::new(2));
         live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false), entry("c", 1, false)]);
         assert_eq!(live.census(PLACE, 2, None), None, "too large to keep");
         live.scanned(PLACE, [entry("a", 1, false), entry("b", 1, false)]);

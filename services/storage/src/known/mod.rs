@@ -24,6 +24,9 @@
 //! - a key is skipped only if every command on it in the commit is vouched
 //!   for; otherwise all of them go through Redis in order.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use shelfsync_proto::{Command, CommandBatch, CommandKind};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed, xxh3_128_with_seed};
 
@@ -35,7 +38,7 @@ pub mod scan;
 
 pub use live::LivePlaces;
 use scan::CommandView;
-pub use scan::Scanned;
+pub use scan::{ReadError, Scanned};
 
 /// Hashes of no-op PATCHes kept per record (say, a price feed and a stock
 /// feed of the same record).
@@ -81,12 +84,48 @@ pub struct Split {
     pub skipped_published: Vec<i64>,
 }
 
-/// The records a partition's owner can vouch for. Bounded: once
-/// `capacity` records are known, new ones are not added.
+/// A bound on what every partition of a replica keeps together
+/// (`storage.known_records`): records are taken from it as they are kept and
+/// given back as they are forgotten, so the replica's memory for them is
+/// bounded however many partitions it owns.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    used: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl Budget {
+    pub fn new(limit: usize) -> Self {
+        Self { used: Arc::default(), limit }
+    }
+
+    /// Takes `n` records if they fit.
+    fn take(&self, n: usize) -> bool {
+        n == 0
+            || self
+                .used
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                    u.checked_add(n).filter(|&t| t <= self.limit)
+                })
+                .is_ok()
+    }
+
+    fn give(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Records kept now, over every partition sharing the budget.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// The records a partition's owner can vouch for. Bounded: once the
+/// replica's budget is used up, new ones are not added.
 #[derive(Debug)]
 pub struct Known {
     entries: FastMap<u128, Entry>,
-    capacity: usize,
+    budget: Budget,
     /// The live records of the places whose census it has seen, kept by the
     /// same rules.
     pub live: LivePlaces,
@@ -150,17 +189,21 @@ fn content_hash(data: &[u8], state: &[u8], clear_data: &[u32], clear_state: &[u3
 }
 
 impl Known {
-    pub fn new(capacity: usize) -> Self {
+    /// A partition's, its no-op PATCHes taken from `entries` and its live
+    /// places from `live` (each shared by every partition of the replica).
+    pub fn new(entries: Budget, live: Budget) -> Self {
         Self {
             entries: FastMap::default(),
-            capacity,
-            live: LivePlaces::new(capacity),
+            budget: entries,
+            live: LivePlaces::new(live),
             skippable: FastMap::default(),
         }
     }
 
-    /// Forgets everything (a failed or fenced commit, a new binding).
+    /// Forgets everything (a failed or fenced commit, a new binding, a
+    /// Redis that went back in time).
     pub fn clear(&mut self) {
+        self.budget.give(self.entries.len());
         self.entries.clear();
         self.live.clear();
     }
@@ -268,13 +311,13 @@ impl Known {
             if hash == 0 || slot.record.is_none() || rejected.contains(&slot_key) {
                 continue;
             }
-            if !self.entries.contains_key(&k) && self.entries.len() >= self.capacity {
-                continue;
-            }
             // Written by this command alone: a plain PATCH applied once
             // more to what it wrote changes nothing (the apply core's
             // property `a_plain_patch_changes_nothing_on_what_it_wrote`).
             if slot.record_dirty && commands_on.get(&k) != Some(&1) {
+                continue;
+            }
+            if !self.entries.contains_key(&k) && !self.budget.take(1) {
                 continue;
             }
             let r = slot.record.as_ref().expect("checked above");
@@ -293,13 +336,21 @@ impl Known {
         for ((b, p, id), slot) in slots {
             let k = key_hash(*b, *p, id);
             if slot.record_dirty {
-                self.entries.remove(&k);
+                if self.entries.remove(&k).is_some() {
+                    self.budget.give(1);
+                }
             } else if slot.gen_dirty
                 && let Some(e) = self.entries.get_mut(&k)
             {
                 e.generation = slot.generation;
             }
         }
+    }
+}
+
+impl Drop for Known {
+    fn drop(&mut self) {
+        self.budget.give(self.entries.len());
     }
 }
 
@@ -312,6 +363,13 @@ mod tests {
 
     fn limits() -> Limits {
         Limits { partition: 0, partitions: 1, max_record_bytes: 1 << 20, now_us: 1_000 }
+    }
+
+    impl Known {
+        /// One partition with budgets of its own.
+        fn alone(capacity: usize) -> Self {
+            Known::new(Budget::new(capacity), Budget::new(capacity))
+        }
     }
 
     fn price(id: &str, price: i64, generation: i64) -> Command {
@@ -393,7 +451,7 @@ mod tests {
 
     #[test]
     fn only_an_observed_no_op_is_vouched_for() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let a = patch("a", b"x", 5);
         let b = batch(vec![a.clone()]);
         assert_eq!(known.split_ok(&[&b])[0].skipped, 0, "nothing known yet");
@@ -419,7 +477,7 @@ mod tests {
 
     #[test]
     fn a_skipped_command_with_its_own_origin_keeps_when_it_was_published() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let a = patch("a", b"x", 0);
         known.committed(&Slots::from_iter([(key("a"), clean(false, 0))]), [&a], &[]);
         let mut own = a.clone();
@@ -453,7 +511,7 @@ mod tests {
 
     #[test]
     fn a_written_record_is_forgotten() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let a = patch("a", b"x", 5);
         known.committed(&Slots::from_iter([(key("a"), clean(false, 5))]), [&a], &[]);
         let mut dirty = clean(false, 5);
@@ -464,7 +522,7 @@ mod tests {
 
     #[test]
     fn a_key_with_any_unknown_command_goes_through_redis_whole() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let a = patch("a", b"x", 0);
         known.committed(&Slots::from_iter([(key("a"), clean(false, 0))]), [&a], &[]);
         let first = batch(vec![a.clone()]);
@@ -476,7 +534,7 @@ mod tests {
 
     #[test]
     fn an_absent_record_is_not_vouched_for_a_full_import() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let delta = patch("a", b"x", 0);
         known.committed(&Slots::from_iter([(key("a"), clean(true, 3))]), [&delta], &[]);
         assert_eq!(known.split_ok(&[&batch(vec![delta.clone()])])[0].skipped, 1);
@@ -486,7 +544,7 @@ mod tests {
 
     #[test]
     fn cas_saves_deletes_and_rejected_keys_are_never_learned() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let mut cas = patch("a", b"x", 0);
         cas.expected_updated_at = Some(1);
         let mut save = patch("b", b"x", 0);
@@ -503,7 +561,7 @@ mod tests {
 
     #[test]
     fn it_stops_growing_at_its_capacity() {
-        let mut known = Known::new(1);
+        let mut known = Known::alone(1);
         let (a, b) = (patch("a", b"x", 0), patch("b", b"x", 0));
         let slots = Slots::from_iter([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
         known.committed(&slots, [&a, &b], &[]);
@@ -511,8 +569,26 @@ mod tests {
     }
 
     #[test]
+    fn partitions_of_a_replica_share_one_bound() {
+        let (entries, live) = (Budget::new(3), Budget::new(3));
+        let mut p1 = Known::new(entries.clone(), live.clone());
+        let mut p2 = Known::new(entries.clone(), live.clone());
+        let cmds: Vec<Command> = ["a", "b"].iter().map(|id| patch(id, b"x", 0)).collect();
+        let slots = Slots::from_iter([(key("a"), clean(false, 0)), (key("b"), clean(false, 0))]);
+        p1.committed(&slots, &cmds, &[]);
+        p2.committed(&slots, &cmds, &[]);
+        assert_eq!((p1.entries.len(), p2.entries.len(), entries.used()), (2, 1, 3));
+        p1.clear();
+        assert_eq!(entries.used(), 1, "what a partition forgets is given back");
+        p1.committed(&slots, &cmds, &[]);
+        assert_eq!(entries.used(), 3);
+        drop(p2);
+        assert_eq!(entries.used(), 2, "and what a dropped one kept");
+    }
+
+    #[test]
     fn a_record_written_is_vouched_for_when_its_command_would_leave_it_as_written() {
-        let mut known = Known::new(10);
+        let mut known = Known::alone(10);
         let written = |cmds: Vec<Command>| {
             let mut slots = Slots::default();
             let out = apply_batch(

@@ -99,10 +99,45 @@ impl CommandView<'_> {
     }
 }
 
+/// Why a command message is not read.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Decode(#[from] prost::DecodeError),
+    /// Over the contract (at most [`MAX_ITEMS`] commands, and as many
+    /// sweeps, per message): refused before anything is allocated for them.
+    #[error(
+        "the message holds {commands} commands and {sweeps} sweeps, more than the {MAX_ITEMS} of each a message may carry"
+    )]
+    TooMany { commands: usize, sweeps: usize },
+}
+
+/// Commands (and sweeps) one command message may carry: the contract's
+/// batch size, and what one commit is sized for.
+pub const MAX_ITEMS: usize = 1000;
+
 impl Scanned {
     /// Reads a message's plain protobuf: walked when it walks exactly,
-    /// decoded whole by prost otherwise (the error is prost's).
-    pub fn read(bytes: Bytes) -> Result<Scanned, prost::DecodeError> {
+    /// decoded whole by prost otherwise (the error is prost's). Its
+    /// commands and sweeps are counted first, without allocating, and a
+    /// message with more than [`MAX_ITEMS`] of either is refused.
+    pub fn read(bytes: Bytes) -> Result<Scanned, ReadError> {
+        match count(&bytes) {
+            Some((commands, sweeps)) if commands > MAX_ITEMS || sweeps > MAX_ITEMS => {
+                return Err(ReadError::TooMany { commands, sweeps });
+            }
+            Some(_) => {}
+            // Not protobuf the count can skip, so not what prost reads
+            // either: its decode says why (had it read it, it is counted).
+            None => {
+                let batch = CommandBatch::decode(bytes)?;
+                let (commands, sweeps) = (batch.commands.len(), batch.sweeps.len());
+                if commands > MAX_ITEMS || sweeps > MAX_ITEMS {
+                    return Err(ReadError::TooMany { commands, sweeps });
+                }
+                return Ok(Self::from_batch(batch));
+            }
+        }
         match walk(&bytes) {
             Some((header, at)) => Ok(Scanned { header, commands: Commands::Located { bytes, at } }),
             None => Ok(Self::from_batch(CommandBatch::decode(bytes)?)),
@@ -229,6 +264,26 @@ impl<'a> Wire<'a> {
         Some(())
     }
 
+    /// Skips any field, groups (deprecated, but prost skips them) included,
+    /// nested at most as deep as prost allows.
+    fn skip_any(&mut self, number: u32, wire: u8, depth: u32) -> Option<()> {
+        const START_GROUP: u8 = 3;
+        const END_GROUP: u8 = 4;
+        if wire != START_GROUP {
+            return self.skip(wire);
+        }
+        if depth >= 100 {
+            return None;
+        }
+        loop {
+            match self.key()? {
+                (n, END_GROUP) if n == number => return Some(()),
+                (_, END_GROUP) => return None,
+                (n, w) => self.skip_any(n, w, depth + 1)?,
+            }
+        }
+    }
+
     /// The `uint32` values of one occurrence of a repeated field, packed or
     /// not, appended to `out`.
     fn uint32s(&mut self, wire: u8, out: &mut Vec<u32>) -> Option<()> {
@@ -245,6 +300,24 @@ impl<'a> Wire<'a> {
         }
         Some(())
     }
+}
+
+/// The commands and sweeps of a `CommandBatch`, counted on its top-level
+/// fields, each skipped by its length: nothing decoded, nothing allocated
+/// (`None`: not protobuf).
+fn count(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut w = Wire::new(buf, 0);
+    let (mut commands, mut sweeps) = (0, 0);
+    while !w.done() {
+        let (number, wire) = w.key()?;
+        match (number, wire) {
+            (2, LEN) => commands += 1,
+            (3, LEN) => sweeps += 1,
+            _ => {}
+        }
+        w.skip_any(number, wire, 0)?;
+    }
+    Some((commands, sweeps))
 }
 
 /// Walks a `CommandBatch`: its header decoded, its commands located.

@@ -36,6 +36,16 @@ pub(crate) struct Outbox<'a> {
     /// entries will land (see `OutboxEntry.stream_floor`).
     pub floors: (u64, u64),
     pub trace: &'a TraceParts,
+    /// Names the command stream the sequences count in ([`epoch_of`]): the
+    /// same sequence in a stream created again makes other ids, so that
+    /// JetStream's dedup never takes a real change for a copy.
+    pub epoch: String,
+}
+
+/// A short name of a command stream's identity, in the ids of the outbox
+/// entries whose sequences count in it: `chg:<partition>:<epoch>:<id>:<part>`.
+pub(crate) fn epoch_of(stream_identity: &str) -> String {
+    format!("{:08x}", xxhash_rust::xxh3::xxh3_64(stream_identity.as_bytes()) as u32)
 }
 
 impl Outbox<'_> {
@@ -65,7 +75,7 @@ impl Outbox<'_> {
                 };
                 out.push(self.entry(
                     self.subjects.changes(place.brand_id, place.place_id),
-                    format!("chg:{}:{id}:{part}", self.partition),
+                    format!("chg:{}:{}:{id}:{part}", self.partition, self.epoch),
                     batch.encode_to_vec(),
                     msg_type::CHANGE_BATCH,
                     self.floors.0,
@@ -78,7 +88,7 @@ impl Outbox<'_> {
             for chunk in split_by_size(list, self.max_bytes) {
                 out.push(self.entry(
                     self.subjects.rejects(place.brand_id, place.place_id),
-                    format!("rej:{}:{id}:{part}", self.partition),
+                    format!("rej:{}:{}:{id}:{part}", self.partition, self.epoch),
                     RejectionBatch { rejections: chunk }.encode_to_vec(),
                     msg_type::REJECTION_BATCH,
                     self.floors.1,
@@ -286,7 +296,8 @@ mod tests {
         max_bytes: usize,
         floors: (u64, u64),
     ) -> Outbox<'a> {
-        Outbox { partition: Partition(partition), subjects, max_bytes, floors, trace }
+        let epoch = epoch_of("T_CMD@1");
+        Outbox { partition: Partition(partition), subjects, max_bytes, floors, trace, epoch }
     }
 
     fn plain() -> (Subjects, TraceParts) {
@@ -300,8 +311,13 @@ mod tests {
         let (a, next) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         let (b, _) = o.entries(120, "120", 4, vec![change("a", 10)], vec![]);
         assert_eq!(a, b);
-        assert_eq!(a[0].msg_id, "chg:3:120:4");
+        assert_eq!(a[0].msg_id, format!("chg:3:{}:120:4", epoch_of("T_CMD@1")));
         assert_eq!((a[0].stream_floor, next), (10, 5));
+        // The same sequence in a command stream created again: other ids.
+        let again = Outbox { epoch: epoch_of("T_CMD@2"), ..o };
+        let (c, _) = again.entries(120, "120", 4, vec![change("a", 10)], vec![]);
+        assert_ne!(a[0].msg_id, c[0].msg_id);
+        assert!(c[0].msg_id.starts_with("chg:3:") && c[0].msg_id.ends_with(":120:4"));
     }
 
     #[test]

@@ -14,10 +14,16 @@
 //! relay went through) nothing is read; the window is only an optimisation.
 //!
 //! An entry refused as too large is published in halves, or reduced
-//! (`crate::outbox::smaller`); one that cannot be made smaller, or that
-//! JetStream keeps refusing, is kept aside in Redis (`{ns:pN}:dead`),
-//! counted and logged once, and the partition moves on. A publish that gets
-//! no answer (NATS away) is an outage, not a refusal: retried until it works.
+//! (`crate::outbox::smaller`); one that cannot be made smaller is kept aside
+//! in Redis (`{ns:pN}:dead`), counted and logged once, and the partition
+//! moves on: the same bytes would be refused forever. Any other refusal (a
+//! stream or account out of room, a stream misconfigured) and a publish that
+//! gets no answer (NATS away) are backpressure: nothing is set aside, the
+//! relay fails and is retried until it works, the partition waiting.
+//!
+//! With `redis.wait_replicas`, nothing is published before that many Redis
+//! replicas confirm every write so far: an entry a previous owner committed
+//! may not have reached them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -34,10 +40,6 @@ use crate::failpoint;
 use crate::metrics::Stats;
 use crate::store::{OUTBOX_PEEK, Store, StoreError};
 
-/// How many times an entry JetStream refuses (other than for its size) is
-/// tried before it is kept aside.
-const REFUSED_ATTEMPTS: u32 = 10;
-
 /// Why a relay did not finish; the outbox stays as it is and is relayed
 /// again.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +50,8 @@ pub(crate) enum RelayError {
     Publish(#[from] PublishFailed),
     #[error("cannot read {subject} back from the stream: {detail}")]
     ReadBack { subject: String, detail: String },
+    #[error("{have} of the {want} Redis replicas asked for confirmed the outbox in time")]
+    Replicas { have: usize, want: usize },
     /// Fault injection only (`lose_relay_ack`): the messages are stored,
     /// their acks taken as lost.
     #[error("publish acks lost (fault injection)")]
@@ -70,8 +74,8 @@ pub(crate) struct Relay {
     adopted: bool,
     /// Entries refused as too large (message ids): published in pieces.
     too_large: HashSet<String>,
-    /// Entries refused otherwise (message ids): attempts so far.
-    refused: HashMap<String, u32>,
+    /// `redis.wait_replicas` and `redis.wait_timeout` (0: none to wait for).
+    wait: (usize, std::time::Duration),
 }
 
 impl Relay {
@@ -83,6 +87,7 @@ impl Relay {
         js: jetstream::Context,
         subjects: Subjects,
         max_inflight: usize,
+        wait: (usize, std::time::Duration),
         stats: Arc<Stats>,
     ) -> Relay {
         let publisher = Publisher::new(js.clone(), max_inflight);
@@ -97,7 +102,7 @@ impl Relay {
             uncertain: true,
             adopted: false,
             too_large: HashSet::new(),
-            refused: HashMap::new(),
+            wait,
         };
         for stream in [relay.subjects.changes_stream(), relay.subjects.rejects_stream()] {
             relay.learn(&stream).await;
@@ -167,6 +172,7 @@ impl Relay {
                 self.uncertain = false;
                 return Ok(total);
             }
+            self.wait_replicas().await?;
             let stored =
                 if self.uncertain { self.stored_ids(&entries).await? } else { HashSet::new() };
             let contexts: Vec<_> = entries.iter().map(context_of).collect();
@@ -180,10 +186,6 @@ impl Relay {
                 }
                 if self.too_large.contains(&e.msg_id) {
                     self.publish_smaller(e, &stored).await?;
-                    continue;
-                }
-                if self.refused.get(&e.msg_id).is_some_and(|n| *n >= REFUSED_ATTEMPTS) {
-                    self.bury(e, "refused").await?;
                     continue;
                 }
                 if let Err(failed) = self.send(e, cx).await {
@@ -231,13 +233,23 @@ impl Relay {
     }
 
     fn note_failure(&mut self, failed: &PublishFailed) {
-        match failed.failure() {
-            Failure::TooLarge => {
-                self.too_large.insert(failed.msg_id.clone());
-            }
-            Failure::Refused(_) => *self.refused.entry(failed.msg_id.clone()).or_default() += 1,
-            Failure::Unknown => {}
+        if failed.failure() == Failure::TooLarge {
+            self.too_large.insert(failed.msg_id.clone());
         }
+    }
+
+    /// With `redis.wait_replicas`: every write so far is on that many
+    /// replicas, or the relay fails (and is retried).
+    async fn wait_replicas(&self) -> Result<(), RelayError> {
+        let (want, timeout) = self.wait;
+        if want == 0 {
+            return Ok(());
+        }
+        let have = self.store.wait_replicas(self.partition, want, timeout).await?;
+        if have < want {
+            return Err(RelayError::Replicas { have, want });
+        }
+        Ok(())
     }
 
     /// The message ids stored on the subjects of `entries` after their
@@ -316,7 +328,6 @@ impl Relay {
     /// moves on; logged once (the entry is trimmed right after).
     async fn bury(&mut self, e: &OutboxEntry, reason: &'static str) -> Result<(), RelayError> {
         self.store.outbox_bury(self.partition, e).await?;
-        self.refused.remove(&e.msg_id);
         self.too_large.remove(&e.msg_id);
         error!(
             partition = %self.partition, subject = %e.subject, msg_id = %e.msg_id,

@@ -53,18 +53,27 @@ local function run_ops(i)
     local count = tonumber(ARGV[i + 2])
     i = i + 3
     local from = i
-    if op == 'CHSET' or op == 'CHDEL' then
-      local stride = 1
-      if op == 'CHSET' then stride = 2 end
-      keep(KEYS[tonumber(ARGV[i])], KEYS[tonumber(ARGV[i + 1])], key, i + 2, i + count - 1, stride)
-      op = string.sub(op, 2)
-      from = i + 2
-    elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
-        and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
-        and op ~= 'DEL' then
-      return 'unknown op ' .. op
+    if op == 'IDX' then
+      -- An index of expiring keys: member scored by when it expires, the
+      -- expired ones dropped (its size is a metric).
+      local t = redis.call('TIME')
+      local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      redis.call('ZADD', key, ms + tonumber(ARGV[i + 1]), ARGV[i])
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', ms)
+    else
+      if op == 'CHSET' or op == 'CHDEL' then
+        local stride = 1
+        if op == 'CHSET' then stride = 2 end
+        keep(KEYS[tonumber(ARGV[i])], KEYS[tonumber(ARGV[i + 1])], key, i + 2, i + count - 1, stride)
+        op = string.sub(op, 2)
+        from = i + 2
+      elseif op ~= 'ZADD' and op ~= 'ZREM' and op ~= 'RPUSH' and op ~= 'SADD' and op ~= 'HSET'
+          and op ~= 'HDEL' and op ~= 'PEXPIRE' and op ~= 'LTRIM' and op ~= 'APPEND'
+          and op ~= 'DEL' then
+        return 'unknown op ' .. op
+      end
+      redis.call(op, key, unpack(ARGV, from, i + count - 1))
     end
-    redis.call(op, key, unpack(ARGV, from, i + count - 1))
     i = i + count
   end
 end
@@ -229,6 +238,12 @@ impl CommitOps {
         self.op_with(op, key, &prefix, args, stride);
     }
 
+    /// Notes `member` in the index `key` of expiring keys, expiring in
+    /// `ttl_ms` (`IDX` of [`OPS_LUA`]).
+    fn indexed(&mut self, key: &str, member: Vec<u8>, ttl_ms: u64) {
+        self.op_with("IDX", key, &[], vec![member, ttl_ms.to_string().into_bytes()], 2);
+    }
+
     /// Adds `op key` with no args (`DEL`).
     fn bare_op(&mut self, op: &str, key: &str) {
         let ki = self.key(key);
@@ -359,13 +374,19 @@ impl IndexWrites {
 }
 
 /// Appends what full imports carried to their touched sets, one `APPEND`
-/// per place and import.
+/// per place and import, each set noted in the partition's index of them.
 fn touched_ops(keys: &Keys, ops: &mut CommitOps, touched: &Appends) {
     for (place, generation, ids) in touched.iter() {
         let key = keys.touched(place, generation);
         ops.op("APPEND", &key, vec![ids.to_vec()], 1);
         ops.op("PEXPIRE", &key, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+        ops.indexed(&keys.touched_index(), touched_member(place, generation), SWEPT_TTL_MS);
     }
+}
+
+/// A touched set's member in the partition's index of them.
+fn touched_member(place: PlaceKey, generation: i64) -> Vec<u8> {
+    format!("{place}:{generation}").into_bytes()
 }
 
 /// The writes of decided sweeps: each outcome under its import (expiring),
@@ -380,15 +401,19 @@ fn sweep_ops(keys: &Keys, ops: &mut CommitOps, sweeps: &[SweepOutcome]) {
         let swept = keys.swept(&sweep.import_id);
         ops.op("HSET", &swept, vec![place.clone(), bytes.clone()], 2);
         ops.op("PEXPIRE", &swept, vec![SWEPT_TTL_MS.to_string().into_bytes()], 1);
+        ops.indexed(&keys.swept_index(), sweep.import_id.clone().into_bytes(), SWEPT_TTL_MS);
         let carried = keys.touched(sweep.place(), sweep.generation);
+        let member = touched_member(sweep.place(), sweep.generation);
         match o.status.as_str() {
             status::HELD => {
                 ops.op("HSET", &keys.held(), vec![place, bytes], 2);
                 ops.op("PEXPIRE", &carried, vec![HELD_TOUCHED_TTL_MS.to_string().into_bytes()], 1);
+                ops.indexed(&keys.touched_index(), member, HELD_TOUCHED_TTL_MS);
             }
             status::APPLIED => {
                 ops.op("HDEL", &keys.held(), vec![place], 1);
                 ops.bare_op("DEL", &carried);
+                ops.op("ZREM", &keys.touched_index(), vec![member], 1);
             }
             _ => {}
         }
@@ -514,6 +539,23 @@ impl Store {
         Ok(())
     }
 
+    /// An operator's drop of a half-applied message's step (the message is
+    /// gone from the command stream): the step goes if it still is `step`;
+    /// the applied sequence and the stream stay. `false`: it changed since.
+    pub async fn drop_step(&self, partition: Partition, step: &str) -> Result<bool, StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn.clone();
+        let dropped: i64 = redis::Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end \
+             return 0",
+        )
+        .key(keys.step())
+        .arg(step)
+        .invoke_async(&mut conn)
+        .await?;
+        Ok(dropped == 1)
+    }
+
     /// Writes the dirty slots, the outbox entries, the decided sweeps and the
     /// new position in one atomic step, if the partition still stands where
     /// `fence` says.
@@ -588,14 +630,30 @@ impl Store {
         Ok(Commit::Done)
     }
 
-    /// `WAIT n timeout`: how many replicas have every write made on this
-    /// connection so far (every partition of this process shares it).
+    /// How many replicas have every write made so far, by anyone: `WAIT n
+    /// timeout` right after a write of its own on the same connection (one
+    /// pipeline, so also on a connection just re-established). `WAIT` alone
+    /// counts only the writes of its connection: on a fresh one it returns
+    /// at once, whatever the replicas lack. The replication stream is one
+    /// ordered log, so a replica that has this write has every write before
+    /// it, whoever made them.
     pub async fn wait_replicas(
         &self,
+        partition: Partition,
         n: usize,
         timeout: std::time::Duration,
     ) -> Result<usize, StoreError> {
-        self.query(redis::cmd("WAIT").arg(n).arg(timeout.as_millis() as u64)).await
+        let mut conn = self.conn.clone();
+        let (have,): (usize,) = redis::pipe()
+            .cmd("INCR")
+            .arg(self.keys(partition).wait_mark())
+            .ignore()
+            .cmd("WAIT")
+            .arg(n)
+            .arg(timeout.as_millis() as u64)
+            .query_async(&mut conn)
+            .await?;
+        Ok(have)
     }
 
     /// The last applied command sequence of a partition.

@@ -46,6 +46,10 @@ impl Keys {
     pub fn step(&self) -> String {
         format!("{}:step", self.tag)
     }
+    /// A counter written right before `WAIT` (`Store::wait_replicas`).
+    pub fn wait_mark(&self) -> String {
+        format!("{}:w", self.tag)
+    }
     pub fn absent(&self) -> String {
         format!("{}:absent", self.tag)
     }
@@ -54,6 +58,16 @@ impl Keys {
     }
     pub fn swept(&self, import_id: &str) -> String {
         format!("{}:swept:{import_id}", self.tag)
+    }
+    /// Index of the partition's sweep outcomes (import ids, scored by when
+    /// their hash expires): their number is a metric.
+    pub fn swept_index(&self) -> String {
+        format!("{}:swept", self.tag)
+    }
+    /// Index of the partition's touched sets (`<brand>:<place>:<generation>`,
+    /// scored by when each expires).
+    pub fn touched_index(&self) -> String {
+        format!("{}:t", self.tag)
     }
     pub fn dead(&self) -> String {
         format!("{}:dead", self.tag)

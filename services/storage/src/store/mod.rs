@@ -11,12 +11,14 @@
 //! | `{ns:pN}:seq` | string | stream sequence of the last applied command message |
 //! | `{ns:pN}:stream` | string | identity (name and creation time) of the command stream that sequence counts in |
 //! | `{ns:pN}:step` | string | while a message is applied in several commits (a sweep in steps): how far it got |
+//! | `{ns:pN}:w` | string | a counter written right before each `WAIT` for replicas (`wait_replicas`) |
 //! | `{ns:pN}:obx` | stream | `OutboxEntry` bytes not yet published (field `e`), in commit order |
 //! | `{ns:pN}:obx:in` | stream | a commit's outbox entries, staged in its `MULTI` (renamed to `obx` or dropped by the commit script) |
 //! | `{ns:pN}:tomb` | zset | `<brand>:<place>:<product_id>` scored by deletion time |
 //! | `{ns:pN}:absent` | zset | `<brand>:<place>:<product_id>` of absent records, scored by when they became absent |
 //! | `{ns:pN}:held` | hash | `<brand>:<place>` → `SweepOutcome` of the sweep held for the place |
 //! | `{ns:pN}:swept:<import_id>` | hash | `<brand>:<place>` → `SweepOutcome` of that import's sweep (expires after a week) |
+//! | `{ns:pN}:swept`, `{ns:pN}:t` | zset | indexes of the sweep outcomes (import ids) and touched sets (`<brand>:<place>:<generation>`) kept, scored by when they expire; the expired dropped at each write (their sizes are the `shelfsync_kept` metric) |
 //! | `{ns:pN}:dead` | list | `OutboxEntry` bytes that could not be published at all (the last 1000) |
 //! | `{ns:pN}:t:<brand>:<place>:<generation>` | string | ids the full import of that generation carried to the place (`apply::touched_set`); deleted when its sweep is applied, else expiring |
 //! | `{ns:pN}:places` | set | `<brand>:<place>` of the partition |
@@ -93,6 +95,17 @@ impl StoreError {
         match self {
             StoreError::Redis(e) => shelfsync_redis::is_transient(e),
             StoreError::Corrupt { .. } | StoreError::Reply(_) | StoreError::BadCursor(_) => false,
+        }
+    }
+
+    /// Why the partition waits when this is backpressure (the servers', not
+    /// the input's): `None` for an error the same input will hit again.
+    pub(crate) fn pressure(&self) -> Option<crate::worker::Cause> {
+        use crate::worker::Cause;
+        match self {
+            StoreError::Redis(e) if shelfsync_redis::is_out_of_room(e) => Some(Cause::RedisFull),
+            StoreError::Redis(e) if shelfsync_redis::is_transient(e) => Some(Cause::Redis),
+            _ => None,
         }
     }
 
@@ -324,7 +337,8 @@ fn stored_bytes(record: &Record, generation: i64) -> Vec<u8> {
 }
 
 /// The generation entry of stored record bytes, read off the wire without
-/// decoding the record: fields 4 (generation), 5 (absent) and 6 (deleted),
+/// decoding the record: fields 4 (generation), 5 (absent), 6 (deleted) and
+/// 8 (updated_at),
 /// the last occurrence of a field winning as in protobuf. `None`: not a
 /// protobuf message.
 pub(crate) fn gen_entry_of(bytes: &[u8]) -> Option<GenEntry> {
@@ -339,6 +353,7 @@ pub(crate) fn gen_entry_of(bytes: &[u8]) -> Option<GenEntry> {
                     4 => e.generation = v as i64,
                     5 => e.absent = v != 0,
                     6 => e.deleted = v != 0,
+                    8 => e.updated_at = v as i64,
                     _ => {}
                 }
             }
@@ -416,7 +431,8 @@ mod tests {
                 let r = Record { absent, deleted, ..base.clone() };
                 let bytes = stored_bytes(&r, generation);
                 let e = gen_entry_of(&bytes).expect("decodes");
-                assert_eq!(e, GenEntry { generation, absent, deleted }, "{r:?}");
+                let updated_at = r.updated_at;
+                assert_eq!(e, GenEntry { generation, absent, deleted, updated_at }, "{r:?}");
                 let decoded = Record::decode(bytes.as_slice()).expect("decodes");
                 assert_eq!(decoded.generation, generation);
             }

@@ -121,6 +121,12 @@ impl Store {
     }
 
     /// Keeps the head a write left (`None`: not known), for the next peek.
+    /// Forgets the outbox head the last commit left in memory (Redis went
+    /// back in time: it may not hold it).
+    pub(crate) fn forget_head(&self, partition: Partition) {
+        self.keep_head(partition, None);
+    }
+
     pub(super) fn keep_head(&self, partition: Partition, head: Option<Head>) {
         let mut kept = self.read_with_write.lock().unwrap_or_else(|e| e.into_inner());
         match head {

@@ -55,6 +55,18 @@ impl Store {
         .transpose()
     }
 
+    /// How many sweep outcomes and touched sets the partition keeps (the
+    /// indexes of them; the expired ones are dropped at the next write).
+    pub async fn kept(&self, partition: Partition) -> Result<(u64, u64), StoreError> {
+        let keys = self.keys(partition);
+        let mut conn = self.conn();
+        Ok(redis::pipe()
+            .zcard(keys.swept_index())
+            .zcard(keys.touched_index())
+            .query_async(&mut conn)
+            .await?)
+    }
+
     /// The sweep held for a place, if any.
     pub async fn held(
         &self,

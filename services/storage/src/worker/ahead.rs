@@ -35,8 +35,8 @@ impl Worker {
         if paused.is_some_and(|until| Instant::now() < until) {
             return;
         }
-        let subject = self.subjects.cmd(self.partition);
-        let want = 1 + (pending as usize).min(self.config.storage.read_ahead);
+        let subject = self.shared.subjects.cmd(self.partition);
+        let want = 1 + (pending as usize).min(self.shared.config.storage.read_ahead);
         let size = |m: &Scanned| m.len() + m.header.sweeps.len();
         let mut total: usize = parts.iter().map(|(_, b)| size(b)).sum();
         let mut contexts = Vec::new();
@@ -73,7 +73,7 @@ impl Worker {
         // after reading, so that a sweep stored meanwhile comes after them.
         if parts.len() > 1 {
             let first = parts[0].0;
-            let sweep = self.subjects.cmd_sweep(self.partition);
+            let sweep = self.shared.subjects.cmd_sweep(self.partition);
             match stream.direct_get_next_for_subject(sweep, Some(first + 1)).await {
                 Ok(m) => {
                     parts.retain(|(seq, _)| *seq < m.sequence);

@@ -11,20 +11,27 @@ use async_nats::jetstream::{self, AckKind};
 use shelfsync_proto::{PlaceKey, Rejection};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
-use tracing::{Instrument, debug, error, warn};
+use tracing::{Instrument, debug, error, info, warn};
 
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
 use crate::apply::{Limits, Slot, apply_batch, reason};
 use crate::failpoint;
-use crate::known::Scanned;
+use crate::known::{ReadError, Scanned};
 use crate::outbox::Relay;
 use crate::outbox::{Outbox, TraceParts};
+use crate::readiness::Refusal;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// A non-transient failure is retried this many deliveries, then the batch
 /// is dead-lettered so that it cannot block its partition.
 const MAX_FAILED_DELIVERIES: u64 = 5;
+/// First and longest wait between two attempts of a failed relay.
+const RELAY_RETRY: Duration = Duration::from_millis(100);
+const RELAY_RETRY_MAX: Duration = Duration::from_secs(5);
+/// How soon a refused partition's message is delivered again (to see
+/// whether an operator acted).
+const REFUSED_RETRY: Duration = Duration::from_secs(2);
 
 impl Worker {
     pub(super) async fn process(
@@ -52,9 +59,9 @@ impl Worker {
         let ahead = stream.filter(|_| delivered == 1 && pending > 0);
         let span = shelfsync_telemetry::process_span!(
             "storage.apply_batch",
-            self.subjects.template(&msg.subject),
+            self.shared.subjects.template(&msg.subject),
             msg.subject,
-            self.subjects.storage_consumer(self.partition),
+            self.shared.subjects.storage_consumer(self.partition),
             partition = self.partition.0,
             command_seq = seq,
             delivered,
@@ -72,9 +79,11 @@ impl Worker {
             .handle(&msg, seq, delivered, ahead.map(|s| (s, pending)), relay, shutdown)
             .instrument(span)
             .await;
-        self.stats.message_took(started.elapsed());
+        self.shared.stats.message_took(started.elapsed());
         match result {
             Ok(handled) => {
+                self.pressure.off();
+                self.lift_step_refusal();
                 failpoint::hit("after_publish");
                 if let Err(e) = msg.ack().await {
                     // Redelivery is harmless: the sequence check skips it.
@@ -82,25 +91,77 @@ impl Worker {
                 }
                 failpoint::hit("after_ack");
                 if matches!(handled, Handled::Skipped) {
-                    self.stats.skipped_redelivery();
+                    self.shared.stats.skipped_redelivery();
                 }
             }
             Err(e) => {
-                let delay = self.backoff(delivered);
-                warn!(
-                    partition = %self.partition, seq, delivered, retry_in = ?delay,
-                    error = %chain(&e), "batch not applied; will retry"
-                );
-                self.stats.retried(matches!(e, HandleError::Fenced));
+                let mut delay = self.backoff(delivered);
+                match (&e, e.pressure()) {
+                    (_, Some(cause)) => self.pressure.on(cause, &e),
+                    (HandleError::StepOfAnother { step, .. }, _) => {
+                        if self.step_gone(step).await {
+                            delay = delay.max(REFUSED_RETRY);
+                        }
+                    }
+                    _ => warn!(
+                        partition = %self.partition, seq, delivered, retry_in = ?delay,
+                        error = %chain(&e), "batch not applied; will retry"
+                    ),
+                }
+                self.shared.stats.retried(matches!(e, HandleError::Fenced));
                 let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
             }
         }
     }
 
+    /// How long a failed delivery waits before the next: doubling from
+    /// `storage.retry_delay` up to 30 s, jittered.
     pub(super) fn backoff(&self, delivered: u64) -> Duration {
-        let base = self.config.storage.retry_delay;
-        let factor = 1u32 << delivered.saturating_sub(1).min(6);
-        (base * factor).min(Duration::from_secs(30))
+        let base = self.shared.config.storage.retry_delay;
+        super::pressure::jittered(base, delivered, Duration::from_secs(30))
+    }
+
+    /// A partition refused for a vanished half-applied message applied one
+    /// again: an operator dropped the step.
+    fn lift_step_refusal(&self) {
+        let p = self.partition.0;
+        if matches!(self.shared.ready.refused().get(&p), Some(Refusal::StepGone { .. })) {
+            info!(partition = %self.partition, "the step was dropped; partition resuming");
+            self.shared.ready.unrefuse(p);
+            self.shared.stats.partition_resumed(self.partition);
+        }
+    }
+
+    /// Whether the message the partition was applying in steps (`step`) is
+    /// gone from the command stream: then it can never be finished, and the
+    /// partition is refused — one error, not ready — until an operator
+    /// drops the step (`shelfsync rebase --drop-step`). A message still in
+    /// the stream is delivered again and finished first.
+    async fn step_gone(&self, step: &str) -> bool {
+        let Some(seq) = step.split('|').next().and_then(|s| s.parse::<u64>().ok()) else {
+            return false;
+        };
+        let gone = match self.shared.js.get_stream_no_info(self.shared.subjects.cmd_stream()).await
+        {
+            Ok(stream) => match stream.get_raw_message(seq).await {
+                Ok(_) => false,
+                Err(e) => e.kind() == jetstream::stream::RawMessageErrorKind::NoMessageFound,
+            },
+            Err(_) => false,
+        };
+        let refused = self.shared.ready.refused().contains_key(&self.partition.0);
+        if gone && !refused {
+            error!(
+                partition = %self.partition, step, missing_seq = seq,
+                "the command message this partition was applying in steps is gone from the \
+                 command stream: the partition applies nothing until an operator drops what \
+                 was left of it (`shelfsync rebase --drop-step`); nothing is acked or dropped \
+                 meanwhile"
+            );
+            self.shared.stats.partition_refused(self.partition, true);
+            self.shared.ready.refuse(self.partition.0, Refusal::StepGone { step: step.into() });
+        }
+        gone
     }
 
     pub(super) async fn handle(
@@ -113,33 +174,16 @@ impl Worker {
         shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let trace = outbox_trace(msg);
-        // What the message says in plain protobuf (it may travel compressed).
-        let plain = shelfsync_bus::encoding::decode(msg.headers.as_ref(), &msg.payload);
-        let read = plain
-            .clone()
-            .map_err(|e| e.to_string())
-            .and_then(|p| Scanned::read(p).map_err(|e| e.to_string()));
-        let mut scanned = match read {
+        let mut scanned = match self.read(msg.headers.as_ref(), &msg.payload) {
             Ok(m) => m,
-            Err(e) => {
-                let detail = format!("cannot decode CommandBatch: {e}");
-                return self
-                    .dead_letter(
-                        seq,
-                        reason::UNDECODABLE,
-                        detail,
-                        &msg.payload,
-                        &trace,
-                        relay,
-                        shutdown,
-                    )
-                    .await;
+            Err((why, detail)) => {
+                return self.dead_letter(seq, why, detail, msg, &trace, relay, shutdown).await;
             }
         };
         // Sweeps count only on the partition's sweep subject, which only
         // ingest and the CLI may publish to: any other is refused, and the
         // message's commands apply as usual.
-        let refused = match msg.subject.as_str() == self.subjects.cmd_sweep(self.partition) {
+        let refused = match msg.subject.as_str() == self.shared.subjects.cmd_sweep(self.partition) {
             true => Vec::new(),
             false => std::mem::take(&mut scanned.header.sweeps),
         };
@@ -164,7 +208,7 @@ impl Worker {
             }
             let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
             span.record("shelfsync.command_count", commands);
-            match self.apply_and_commit(&parts, refused, &trace, relay).await {
+            match self.apply_and_commit(&parts, refused, &trace, relay, shutdown).await {
                 Ok(Handled::Applied) => {
                     failpoint::hit("after_commit");
                     self.relay_until_done(relay, shutdown).await;
@@ -186,7 +230,10 @@ impl Worker {
         };
         match result {
             Ok(Handled::Skipped) => {
-                // Published or not, a committed outbox is drained before the ack.
+                // Applied by an earlier delivery, maybe by an owner that died
+                // before its commit reached the replicas: confirmed before
+                // the ack, and its outbox drained (the relay waits too).
+                self.wait_replicas(shutdown).await?;
                 relay.relay().await?;
                 Ok(Handled::Skipped)
             }
@@ -194,19 +241,41 @@ impl Worker {
             Err(e) if e.is_transient() || delivered < MAX_FAILED_DELIVERIES => Err(e),
             Err(e) => {
                 let detail = format!("failed {delivered} times: {e}");
-                // Decoded above: kept as plain protobuf, readable as is.
-                let raw = plain.as_ref().unwrap_or(&msg.payload);
-                self.dead_letter(seq, reason::FAILED, detail, raw, &trace, relay, shutdown).await
+                self.dead_letter(seq, reason::FAILED, detail, msg, &trace, relay, shutdown).await
             }
         }
+    }
+
+    /// A command message's payload read: decoded as its headers say (within
+    /// `storage.max_message_bytes`), its commands counted before anything
+    /// is allocated for them, then walked. `Err`: why it can never be
+    /// applied (a rejection reason and its detail).
+    pub(super) fn read(
+        &self,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &bytes::Bytes,
+    ) -> Result<Scanned, (&'static str, String)> {
+        use shelfsync_bus::encoding::EncodingError;
+        let plain =
+            shelfsync_bus::encoding::decode_within(headers, payload, self.shared.max_decoded)
+                .map_err(|e| match e {
+                    EncodingError::TooLarge(..) => (reason::TOO_LARGE, e.to_string()),
+                    e => (reason::UNDECODABLE, format!("cannot decode CommandBatch: {e}")),
+                })?;
+        Scanned::read(plain).map_err(|e| match e {
+            ReadError::TooMany { .. } => (reason::TOO_LARGE, e.to_string()),
+            ReadError::Decode(e) => {
+                (reason::UNDECODABLE, format!("cannot decode CommandBatch: {e}"))
+            }
+        })
     }
 
     /// Limits and clock of a batch applied now.
     pub(crate) fn limits(&self) -> Limits {
         Limits {
             partition: self.partition.0,
-            partitions: self.config.storage.partitions,
-            max_record_bytes: self.config.storage.max_record_bytes,
+            partitions: self.shared.config.storage.partitions,
+            max_record_bytes: self.shared.config.storage.max_record_bytes,
             now_us: Self::now_us(),
         }
     }
@@ -215,10 +284,11 @@ impl Worker {
     pub(crate) fn outbox<'a>(&'a self, trace: &'a TraceParts, relay: &Relay) -> Outbox<'a> {
         Outbox {
             partition: self.partition,
-            subjects: &self.subjects,
-            max_bytes: self.max_bytes,
+            subjects: &self.shared.subjects,
+            max_bytes: self.shared.max_bytes,
             floors: relay.floors(),
             trace,
+            epoch: crate::outbox::epoch_of(&self.stream_identity()),
         }
     }
 
@@ -231,21 +301,32 @@ impl Worker {
         refused: Vec<Rejection>,
         trace: &TraceParts,
         relay: &mut Relay,
+        shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
         // Commands this owner can vouch for are neither decoded, loaded nor
         // applied; what full imports carried with them is appended all the same.
         let messages: Vec<&Scanned> = parts.iter().map(|(_, m)| m).collect();
-        let splits = self.known().split(&messages).map_err(HandleError::Decode)?;
-        // Records the owner knows are not stored are not read.
-        let (to_load, not_stored): (Vec<_>, Vec<_>) = {
-            let known = self.known();
-            crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands))
-                .into_iter()
-                .partition(|(b, p, id)| known.live.stored(PlaceKey::new(*b, *p), id) != Some(false))
+        let (splits, mut loaded) = loop {
+            let splits = self.known().split(&messages).map_err(HandleError::Decode)?;
+            // Records the owner knows are not stored are not read.
+            let (to_load, not_stored): (Vec<_>, Vec<_>) = {
+                let known = self.known();
+                crate::apply::keys_of(splits.iter().flat_map(|s| &s.rest.commands))
+                    .into_iter()
+                    .partition(|(b, p, id)| {
+                        known.live.stored(PlaceKey::new(*b, *p), id) != Some(false)
+                    })
+            };
+            let mut loaded = self.shared.store.load_keys(self.partition, to_load).await?;
+            // What the owner remembers came from a Redis that has gone:
+            // split and loaded again, from Redis alone.
+            if self.went_back(&loaded.at) {
+                continue;
+            }
+            loaded.slots.extend(not_stored.into_iter().map(|k| (k, Slot::default())));
+            break (splits, loaded);
         };
-        let mut loaded = self.store.load_keys(self.partition, to_load).await?;
-        loaded.slots.extend(not_stored.into_iter().map(|k| (k, Slot::default())));
         let todo: Vec<(u64, &crate::known::Split)> = parts
             .iter()
             .zip(&splits)
@@ -270,7 +351,7 @@ impl Worker {
             let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
             let n = split.skipped;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
-            self.stats.known_skipped(n);
+            self.shared.stats.known_skipped(n);
             let n_changes = outcome.changes.len() as u64;
             changes.append(&mut outcome.changes);
             rejections.extend(outcome.rejections.iter().cloned());
@@ -300,15 +381,45 @@ impl Worker {
         }
         let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
         self.known().committed(&loaded.slots, applied, &rejected);
-        self.wait_replicas().await?;
+        self.wait_replicas(shutdown).await?;
         self.note_changed(&loaded.slots);
-        self.keyframe_limits.live.committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
+        self.shared
+            .keyframe_limits
+            .live
+            .committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
         let ahead = todo.iter().filter(|(seq, _)| *seq != parts[0].0).count();
-        self.stats.committed(todo.len() as u64, ahead as u64);
+        self.shared.stats.committed(todo.len() as u64, ahead as u64);
         for (split, n_changes, o) in outcomes {
-            self.stats.applied(split, n_changes, &o);
+            self.shared.stats.applied(split, n_changes, &o);
         }
         Ok(Handled::Applied)
+    }
+
+    /// Whether Redis went back in time under this owner (a failover to a
+    /// replica that lagged, a restart from an older snapshot or AOF, a
+    /// restore): it says the partition stands before this worker's last
+    /// commit. Then everything the owner remembers may be false (records it
+    /// vouches for as unchanged may have been lost), so it is forgotten —
+    /// the next import then repairs what was lost — and the episode is
+    /// logged and counted.
+    pub(crate) fn went_back(&self, at: &Position) -> bool {
+        let last = self.last_commit.load(Ordering::Relaxed);
+        if at.applied >= last {
+            return false;
+        }
+        error!(
+            partition = %self.partition, committed = last, redis_says = at.applied,
+            "Redis went back in time (failover to a lagging replica, restart from an older \
+             snapshot, restore): what this owner remembered is forgotten and the partition goes \
+             on from what Redis holds; commands acked since are lost unless sent again (a full \
+             import repairs its records)"
+        );
+        self.known().clear();
+        self.shared.store.forget_head(self.partition);
+        self.last_commit.store(0, Ordering::Relaxed);
+        self.committed_through.store(0, Ordering::Relaxed);
+        self.shared.stats.redis_went_back();
+        true
     }
 
     /// Commits `writes` and keeps [`Known`] true: the records written are
@@ -320,7 +431,10 @@ impl Worker {
         to: &Position,
         writes: &Writes<'_>,
     ) -> Result<Commit, StoreError> {
-        let result = self.store.commit(self.partition, fence, to, writes).await;
+        let result = self.shared.store.commit(self.partition, fence, to, writes).await;
+        if let Ok(Commit::Done) = result {
+            self.last_commit.fetch_max(to.applied, Ordering::Relaxed);
+        }
         let mut known = self.known();
         match (&result, writes.slots) {
             (Ok(Commit::Done), Some(slots)) => known.forget_written(slots),
@@ -331,49 +445,55 @@ impl Worker {
     }
 
     /// With `redis.wait_replicas`, waits until that many Redis replicas have
-    /// every write so far (`WAIT`), however many timeouts it takes: a commit
-    /// is not published nor acked before.
-    pub(crate) async fn wait_replicas(&self) -> Result<(), StoreError> {
-        let want = self.config.redis.wait_replicas;
+    /// every write made so far, by this process or any other (`WAIT` after
+    /// a write of its own, so that a fresh connection cannot pass it
+    /// trivially: `Store::wait_replicas`), however many timeouts it takes:
+    /// a commit is neither published nor acked before. Stops waiting (an
+    /// error: nothing acked) when shutdown starts.
+    pub(crate) async fn wait_replicas(&self, shutdown: &Drain) -> Result<(), HandleError> {
+        let want = self.shared.config.redis.wait_replicas;
         if want == 0 {
             return Ok(());
         }
-        let mut logged = false;
+        let timeout = self.shared.config.redis.wait_timeout;
         loop {
-            let have = self.store.wait_replicas(want, self.config.redis.wait_timeout).await?;
+            let have = self.shared.store.wait_replicas(self.partition, want, timeout).await?;
             if have >= want {
                 return Ok(());
             }
-            self.stats.redis_wait_retried();
-            if !logged {
-                warn!(
-                    partition = %self.partition, want, have,
-                    "Redis replicas did not confirm the commit in time; waiting (nothing is \
-                     published or acked before)"
-                );
-                logged = true;
+            self.shared.stats.redis_wait_retried();
+            self.pressure.on(super::Cause::RedisReplicas, &HandleError::Replicas { have, want });
+            if shutdown.is_started() {
+                return Err(HandleError::Stopping);
             }
         }
     }
 
-    /// Relays until the outbox is empty, backing off while NATS or Redis is
-    /// away; gives up only on shutdown (the outbox stays for the next run).
+    /// Relays until the outbox is empty, waiting (backpressure) while NATS
+    /// or Redis is away or out of room; gives up only on shutdown (the
+    /// outbox stays for the next run).
     pub(crate) async fn relay_until_done(&self, relay: &mut Relay, shutdown: &Drain) {
-        let mut delay = Duration::from_millis(100);
+        let mut attempt = 0;
         loop {
-            match relay.relay().await {
-                Ok(_) => return,
-                Err(e) => {
-                    warn!(partition = %self.partition, error = %chain(&e), retry_in = ?delay, "outbox relay failed");
-                    if shutdown.is_started() {
-                        return;
-                    }
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.started() => return,
-                    }
-                    delay = (delay * 2).min(Duration::from_secs(5));
+            let e = match relay.relay().await {
+                Ok(_) if attempt == 0 => return,
+                Ok(_) => return self.pressure.off(),
+                Err(e) => HandleError::Relay(e),
+            };
+            attempt += 1;
+            let delay = super::pressure::jittered(RELAY_RETRY, attempt, RELAY_RETRY_MAX);
+            match e.pressure() {
+                Some(cause) => self.pressure.on(cause, &e),
+                None => {
+                    warn!(partition = %self.partition, error = %chain(&e), retry_in = ?delay, "outbox relay failed")
                 }
+            }
+            if shutdown.is_started() {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.started() => return,
             }
         }
     }

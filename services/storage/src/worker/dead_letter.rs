@@ -1,7 +1,13 @@
-//! A command message that cannot be applied (undecodable, or failing again
-//! and again) is committed as a rejection carrying its raw bytes, and the
-//! partition moves past it: recorded once, it never blocks the partition.
+//! A command message that cannot be applied (undecodable, over the limits,
+//! or failing again and again for a reason its content causes) is committed
+//! as a rejection carrying the whole message as it arrived, and the
+//! partition moves past it: recorded once, it never blocks the partition,
+//! and it can be published again as it was (`shelfsync dead-letters
+//! redrive --command`). The command stream refuses messages within
+//! `CMD_HEADROOM` of the server's payload limit (`shelfsync_bus::provision`),
+//! so the rejection that carries one always fits in one message.
 
+use async_nats::jetstream;
 use shelfsync_proto::Rejection;
 use shelfsync_service::Drain;
 use tracing::error;
@@ -12,32 +18,44 @@ use crate::outbox::Relay;
 use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, Writes};
 
-/// Raw bytes kept in a dead-letter rejection.
-const MAX_RAW: usize = 128 * 1024;
+/// Detail kept in a dead-letter rejection.
+const MAX_DETAIL: usize = 1024;
 
 impl Worker {
-    /// Commits a rejection carrying the raw message and advances the
-    /// sequence, so a poison message is recorded once and never blocks.
+    /// Commits a rejection carrying the message `msg` whole and advances
+    /// the sequence, so a poison message is recorded once and never blocks.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn dead_letter(
         &self,
         seq: u64,
         why: &str,
-        detail: String,
-        raw: &[u8],
+        mut detail: String,
+        msg: &jetstream::Message,
         trace: &TraceParts,
         relay: &mut Relay,
         shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
-        error!(partition = %self.partition, seq, reason = why, %detail, "dead-lettering command message");
-        let at = self.store.position(self.partition).await?;
+        if detail.len() > MAX_DETAIL {
+            let mut end = MAX_DETAIL;
+            while !detail.is_char_boundary(end) {
+                end -= 1;
+            }
+            detail.truncate(end);
+        }
+        let at = self.shared.store.position(self.partition).await?;
         if seq <= at.applied {
             return Ok(Handled::Skipped);
         }
+        error!(
+            partition = %self.partition, seq, reason = why, %detail, bytes = msg.payload.len(),
+            "dead-lettering command message (kept whole on the REJECTS stream)"
+        );
+        let encoding = shelfsync_bus::encoding::encoding_of(msg.headers.as_ref());
         let rejection = Rejection {
             reason: why.to_string(),
             detail,
-            raw: raw[..raw.len().min(MAX_RAW)].to_vec(),
+            raw: msg.payload.to_vec(),
+            raw_encoding: encoding.unwrap_or("none").to_string(),
             ..Default::default()
         };
         let (outbox, _) = self.outbox(trace, relay).entries(
@@ -51,7 +69,7 @@ impl Worker {
         let writes = Writes { slots: None, touched: Appends::none(), outbox: &outbox, sweeps: &[] };
         match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
-                self.stats.dead_lettered(why);
+                self.shared.stats.dead_lettered(why);
                 self.relay_until_done(relay, shutdown).await;
                 Ok(Handled::Applied)
             }

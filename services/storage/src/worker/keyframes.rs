@@ -21,6 +21,9 @@ use crate::keyframe::*;
 /// ack. Small: the parts share the server with the live changes, which must
 /// not queue behind megabytes of snapshot.
 const KEYFRAME_INFLIGHT: usize = 2;
+/// Keyframes a partition queues at most (each its places); one more asked
+/// for is refused until one is done.
+const KEYFRAMES_QUEUED: usize = 4;
 
 /// One place waiting for its keyframe in this worker.
 pub(super) struct PlaceSnapshot {
@@ -52,7 +55,7 @@ impl Worker {
     ) {
         let places = match job.place {
             Some(place) => vec![place],
-            None => match self.store.places(self.partition).await {
+            None => match self.shared.store.places(self.partition).await {
                 Ok(p) => p,
                 Err(e) => {
                     job.progress
@@ -66,7 +69,22 @@ impl Worker {
             job.progress.worker_done(None).await;
             return;
         }
+        // Bounded: a flood of requests (any consumer may ask) cannot grow
+        // the queue without end; a keyframe asked for once too often is
+        // refused, and the requester asks again later.
+        let mut queued: Vec<&str> = queue.iter().map(|s| s.keyframe_id.as_str()).collect();
+        queued.dedup();
+        if queued.len() >= KEYFRAMES_QUEUED {
+            let busy = format!(
+                "partition {}: {} keyframes already queued; ask again later",
+                self.partition,
+                queued.len()
+            );
+            job.progress.worker_done(Some(busy)).await;
+            return;
+        }
         let n = places.len();
+        self.shared.stats.keyframe_places_queued.fetch_add(n as u64, Ordering::Relaxed);
         for (i, place) in places.into_iter().enumerate() {
             queue.push_back(PlaceSnapshot {
                 keyframe_id: job.keyframe_id.clone(),
@@ -95,7 +113,7 @@ impl Worker {
         );
         let frozen =
             self.freeze(&s.keyframe_id, s.changes_seq, s.place).instrument(span.clone()).await;
-        self.stats.keyframe_place_held(started.elapsed());
+        self.shared.stats.keyframe_place_held(started.elapsed());
         let frozen = match frozen {
             Ok(f) => f,
             Err(e) => {
@@ -107,10 +125,11 @@ impl Worker {
             Some((s.place, HashSet::new()));
         let this = self.clone();
         let f = frozen.clone();
-        let task = self.keyframe_limits.spawn(
+        let task = self.shared.keyframe_limits.spawn(
             async move {
-                let live = KeyframeIo { js: this.js.clone(), store: this.store.clone() };
-                let io = this.keyframe_limits.io(&this.config, live).await;
+                let live =
+                    KeyframeIo { js: this.shared.js.clone(), store: this.shared.store.clone() };
+                let io = this.shared.keyframe_limits.io(&this.shared.config, live).await;
                 let mut publisher = Publisher::new(io.js.clone(), KEYFRAME_INFLIGHT);
                 let published = this.publish_frozen(&f, &io, &mut publisher).await;
                 drop(permit);
@@ -145,7 +164,7 @@ impl Worker {
             Err(e) => Err(anyhow::anyhow!("keyframe task: {e}")),
         };
         let f = &hand.frozen;
-        if let Err(e) = self.store.thaw_place(self.partition, f.place).await {
+        if let Err(e) = self.shared.store.thaw_place(self.partition, f.place).await {
             warn!(
                 partition = %self.partition, brand_id = f.place.brand_id, place_id = f.place.place_id,
                 error = %chain(&e), "dropping a frozen place failed (it expires)"
@@ -184,7 +203,7 @@ impl Worker {
                     .await;
             }
         }
-        self.stats.keyframe_took(started.elapsed());
+        self.shared.stats.keyframe_took(started.elapsed());
         if s.last_of_job {
             s.progress.worker_done(None).await;
         }
@@ -199,7 +218,7 @@ impl Worker {
         changes_seq: u64,
         place: PlaceKey,
     ) -> anyhow::Result<Frozen> {
-        let command_seq = self.store.freeze_place(self.partition, place, FROZEN_TTL).await?;
+        let command_seq = self.shared.store.freeze_place(self.partition, place, FROZEN_TTL).await?;
         let as_of = Self::now_us();
         Ok(Frozen {
             keyframe_id: keyframe_id.to_string(),
@@ -207,7 +226,7 @@ impl Worker {
             place,
             command_seq,
             as_of,
-            tombstone_cutoff: as_of - self.config.storage.tombstone_ttl.as_micros() as i64,
+            tombstone_cutoff: as_of - self.shared.config.storage.tombstone_ttl.as_micros() as i64,
         })
     }
 
@@ -223,7 +242,7 @@ impl Worker {
     ) -> anyhow::Result<Digest> {
         let started = Instant::now();
         let partition = self.partition;
-        let subject = self.subjects.keyframes(f.place.brand_id, f.place.place_id);
+        let subject = self.shared.subjects.keyframes(f.place.brand_id, f.place.place_id);
         let part_of = |part: u32, records: Vec<Record>, first_seq: Option<u64>| KeyframeBatch {
             keyframe_id: f.keyframe_id.clone(),
             brand_id: f.place.brand_id,
@@ -275,7 +294,7 @@ impl Worker {
                 digest.add(&id, r.updated_at);
                 let len = r.encoded_len() + 6;
                 if !pending.is_empty()
-                    && (pending.len() >= 1000 || pending_bytes + len > self.max_bytes)
+                    && (pending.len() >= 1000 || pending_bytes + len > self.shared.max_bytes)
                 {
                     let records = std::mem::take(&mut pending);
                     self.give_way(records.len()).await;
@@ -302,16 +321,16 @@ impl Worker {
         let first_seq = first_seq.unwrap_or(seq);
         publisher.flush().await?;
 
-        let keep = self.config.storage.keyframes_kept;
+        let keep = self.shared.config.storage.keyframes_kept;
         if let Some(oldest_kept) =
             io.store.keyframe_published(partition, f.place, first_seq, keep).await?
         {
-            let stream = io.js.get_stream(self.subjects.keyframes_stream()).await?;
+            let stream = io.js.get_stream(self.shared.subjects.keyframes_stream()).await?;
             if let Err(e) = stream.purge().filter(&subject).sequence(oldest_kept).await {
                 warn!(%subject, error = %chain(&e), "purging old keyframes failed");
             }
         }
-        self.stats.keyframe_records(digest.count);
+        self.shared.stats.keyframe_records(digest.count);
         tracing::debug!(
             brand_id = f.place.brand_id,
             place_id = f.place.place_id,
@@ -339,11 +358,11 @@ impl Worker {
         let mut digest = frozen;
         let ids: Vec<String> = changed.iter().cloned().collect();
         for chunk in ids.chunks(MARK_CHUNK) {
-            let (then, now) = self.store.frozen_and_live(partition, f.place, chunk).await?;
+            let (then, now) = self.shared.store.frozen_and_live(partition, f.place, chunk).await?;
             let sides = chunk.iter().map(String::as_str).zip(then).zip(now);
             digest = digest_at_mark(digest, f, sides.map(|((id, then), now)| (id, then, now)));
         }
-        let command_seq = self.store.applied_seq(partition).await?;
+        let command_seq = self.shared.store.applied_seq(partition).await?;
         let mark = ChangeBatch {
             partition: partition.0,
             command_seq,
@@ -358,7 +377,7 @@ impl Worker {
         };
         publisher
             .publish(
-                self.subjects.changes(f.place.brand_id, f.place.place_id),
+                self.shared.subjects.changes(f.place.brand_id, f.place.place_id),
                 format!("kfm:{}:{}:{}", f.keyframe_id, f.place, f.as_of),
                 msg_type::CHANGE_BATCH,
                 None,
@@ -372,9 +391,9 @@ impl Worker {
     /// Paces `records` (see [`KeyframeLimits::pace`]), counting the time
     /// given way to late live changes.
     async fn give_way(&self, records: usize) {
-        let yielded = self.keyframe_limits.pace(records).await;
+        let yielded = self.shared.keyframe_limits.pace(records).await;
         if !yielded.is_zero() {
-            self.stats.keyframe_yielded(yielded);
+            self.shared.stats.keyframe_yielded(yielded);
         }
     }
 

@@ -59,18 +59,22 @@ use tracing::{Instrument, error, info, warn};
 
 use crate::config::Config;
 use crate::keyframe::{KeyframeJob, KeyframeLimits};
-use crate::known::Known;
+use crate::known::{Budget, Known};
 use crate::metrics::Stats;
 use crate::outbox::Relay;
-use crate::readiness::Readiness;
+use crate::readiness::{Readiness, Refusal};
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod ahead;
 mod commit;
 mod dead_letter;
 mod keyframes;
+mod pressure;
 mod purge;
 pub(crate) mod sweep;
+
+pub(crate) use pressure::Cause;
+use pressure::Pressure;
 
 use keyframes::{ChangedSinceFreeze, InHand, PlaceSnapshot};
 
@@ -90,38 +94,38 @@ pub(crate) struct Shared {
     pub stats: Arc<Stats>,
     /// Largest payload to publish (server max payload minus headroom).
     pub max_bytes: usize,
-    /// Told when a worker's consumer is bound (readiness).
+    /// Largest command message once decoded (`storage.max_message_bytes`).
+    pub max_decoded: usize,
+    /// Told when a worker's consumer is bound, refused or held back (readiness).
     pub ready: Arc<Readiness>,
     /// Places in hand and records per second of keyframes, across the replica.
     pub keyframe_limits: Arc<KeyframeLimits>,
+    /// What the owners remember, bounded over the replica (`crate::known`):
+    /// no-op PATCHes, and live records of known places.
+    pub known_budgets: (Budget, Budget),
 }
 
 /// One owned partition's worker (see the module docs); built by
 /// [`Worker::new`], run by [`Worker::run`].
 pub(crate) struct Worker {
     partition: Partition,
-    config: Arc<Config>,
-    subjects: Subjects,
-    js: jetstream::Context,
-    store: Store,
-    stats: Arc<Stats>,
-    /// Largest payload to publish (server max payload minus headroom).
-    max_bytes: usize,
-    /// Told when this worker's consumer is bound (readiness).
-    ready: Arc<Readiness>,
-    /// Places in hand and records per second of keyframes, across the replica.
-    keyframe_limits: Arc<KeyframeLimits>,
+    shared: Arc<Shared>,
     /// The place frozen for a keyframe, and the records changed since.
     changed_since_freeze: std::sync::Mutex<Option<ChangedSinceFreeze>>,
     /// The highest command sequence this worker committed and relayed:
     /// a delivery at or below it was applied ahead and is only acked.
     committed_through: AtomicU64,
+    /// The partition's applied sequence as this worker's last commit left
+    /// it (0: none since it bound): Redis showing less went back in time.
+    last_commit: AtomicU64,
     /// Reading ahead failed (no permission, a slow server): paused until then.
     ahead_paused_until: std::sync::Mutex<Option<Instant>>,
     /// Identity of the command stream this worker is bound to (`Fence.stream`).
     stream_identity: std::sync::Mutex<String>,
     /// What this owner can vouch for without Redis (`crate::known`).
     known: std::sync::Mutex<Known>,
+    /// Waiting for room (Redis, NATS): logged once, counted, not ready.
+    pressure: Pressure,
 }
 
 pub(crate) enum Handled {
@@ -142,6 +146,8 @@ pub(crate) enum HandleError {
     StepOfAnother { seq: u64, step: String },
     #[error("stopping between two steps of a message (the next owner resumes it)")]
     Stopping,
+    #[error("{have} of the {want} Redis replicas asked for confirmed the commit in time")]
+    Replicas { have: usize, want: usize },
     /// A command the walk of its message located does not decode (the walk
     /// accepts only what prost decodes: not expected).
     #[error("cannot decode a command: {0}")]
@@ -149,10 +155,32 @@ pub(crate) enum HandleError {
 }
 
 impl HandleError {
+    /// Why the partition waits, when the error is the servers' (not the
+    /// message's, not another owner's): backpressure.
+    fn pressure(&self) -> Option<Cause> {
+        use crate::outbox::RelayError as R;
+        match self {
+            HandleError::Store(e) | HandleError::Relay(R::Store(e)) => e.pressure(),
+            HandleError::Relay(R::Publish(p)) => Some(match p.failure() {
+                shelfsync_bus::Failure::Refused(_) => Cause::NatsRefused,
+                _ => Cause::Nats,
+            }),
+            HandleError::Relay(R::ReadBack { .. }) => Some(Cause::Nats),
+            HandleError::Relay(R::Replicas { .. }) => Some(Cause::RedisReplicas),
+            HandleError::Replicas { .. } => Some(Cause::RedisReplicas),
+            HandleError::Relay(R::AckLost)
+            | HandleError::Fenced
+            | HandleError::StepOfAnother { .. }
+            | HandleError::Stopping
+            | HandleError::Decode(_) => None,
+        }
+    }
+
     fn is_transient(&self) -> bool {
         match self {
             HandleError::Store(e) => e.is_transient(),
             HandleError::Relay(_)
+            | HandleError::Replicas { .. }
             | HandleError::Fenced
             | HandleError::StepOfAnother { .. }
             | HandleError::Stopping => true,
@@ -164,22 +192,18 @@ impl HandleError {
 impl Worker {
     /// The worker of `partition`, with nothing known yet: it learns where the
     /// partition stands from Redis when it binds.
-    pub(crate) fn new(partition: Partition, shared: &Shared) -> Self {
+    pub(crate) fn new(partition: Partition, shared: Arc<Shared>) -> Self {
+        let (entries, live) = shared.known_budgets.clone();
         Worker {
             partition,
-            config: shared.config.clone(),
-            subjects: shared.subjects.clone(),
-            js: shared.js.clone(),
-            store: shared.store.clone(),
-            stats: shared.stats.clone(),
-            max_bytes: shared.max_bytes,
-            ready: shared.ready.clone(),
-            keyframe_limits: shared.keyframe_limits.clone(),
+            pressure: Pressure::new(partition, shared.ready.clone(), shared.stats.clone()),
+            shared,
             changed_since_freeze: Default::default(),
             committed_through: Default::default(),
+            last_commit: Default::default(),
             ahead_paused_until: Default::default(),
             stream_identity: Default::default(),
-            known: std::sync::Mutex::new(Known::new(shared.config.storage.known_records)),
+            known: std::sync::Mutex::new(Known::new(entries, live)),
         }
     }
 
@@ -197,19 +221,19 @@ impl Worker {
         &self,
     ) -> anyhow::Result<(jetstream::stream::Stream, jetstream::consumer::Consumer<pull::Config>)>
     {
-        let stream = self.js.get_stream(self.subjects.cmd_stream()).await?;
-        let name = self.subjects.storage_consumer(self.partition);
+        let stream = self.shared.js.get_stream(self.shared.subjects.cmd_stream()).await?;
+        let name = self.shared.subjects.storage_consumer(self.partition);
         let config = pull::Config {
             durable_name: Some(name.clone()),
             description: Some(format!("shelfsync storage, partition {}", self.partition)),
             // Commands, and the sweeps that only ingest and the CLI may
             // send, in the order the stream stored them.
             filter_subjects: vec![
-                self.subjects.cmd(self.partition),
-                self.subjects.cmd_sweep(self.partition),
+                self.shared.subjects.cmd(self.partition),
+                self.shared.subjects.cmd_sweep(self.partition),
             ],
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: self.config.storage.ack_wait,
+            ack_wait: self.shared.config.storage.ack_wait,
             // One message at a time is what keeps a partition in order, also
             // across redeliveries.
             max_ack_pending: 1,
@@ -244,14 +268,14 @@ impl Worker {
             let bound = async {
                 let (stream, consumer) = self.consumer().await?;
                 let identity = stream_identity(&stream);
-                match self.store.bind_stream(self.partition, &identity).await? {
+                match self.shared.store.bind_stream(self.partition, &identity).await? {
                     StreamBinding::Same => {}
                     StreamBinding::Replaced { recorded } => {
                         return Ok(Err((identity, recorded)));
                     }
                 }
                 // A partition written by an older version: its layout first.
-                match self.store.upgrade_layout(self.partition).await? {
+                match self.shared.store.upgrade_layout(self.partition).await? {
                     Some(0) => {}
                     Some(moved) => info!(
                         partition = %self.partition, moved, layout = crate::store::LAYOUT,
@@ -269,18 +293,19 @@ impl Worker {
                     if refused_logged {
                         info!(partition = %self.partition, stream = %identity, "partition re-based; resuming");
                     }
-                    self.stats.partition_resumed(self.partition);
-                    self.ready.unrefuse(self.partition.0);
+                    self.shared.stats.partition_resumed(self.partition);
+                    self.shared.ready.unrefuse(self.partition.0);
                     *self.stream_identity.lock().unwrap_or_else(|e| e.into_inner()) = identity;
                     // Sequences may count in a new stream now: nothing is
                     // taken as committed without asking Redis.
                     self.committed_through.store(0, Ordering::Relaxed);
+                    self.last_commit.store(0, Ordering::Relaxed);
                     // Another owner may have written meanwhile.
                     self.known().clear();
                     return Some((stream, messages));
                 }
                 Ok(Err((found, recorded))) => {
-                    self.stats.partition_refused(self.partition, !refused_logged);
+                    self.shared.stats.partition_refused(self.partition, !refused_logged);
                     if !refused_logged {
                         error!(
                             partition = %self.partition, recorded = %recorded, found = %found,
@@ -290,7 +315,7 @@ impl Worker {
                         );
                         refused_logged = true;
                     }
-                    self.ready.refuse(self.partition.0, found);
+                    self.shared.ready.refuse(self.partition.0, Refusal::StreamReplaced { found });
                     tokio::select! {
                         _ = shutdown.started() => return None,
                         _ = tokio::time::sleep(REFUSED_POLL) => {}
@@ -324,8 +349,9 @@ impl Worker {
         if matches!(e.kind(), K::ConsumerDeleted) {
             return true;
         }
-        let name = self.subjects.storage_consumer(self.partition);
-        let Ok(stream) = self.js.get_stream_no_info(self.subjects.cmd_stream()).await else {
+        let name = self.shared.subjects.storage_consumer(self.partition);
+        let Ok(stream) = self.shared.js.get_stream_no_info(self.shared.subjects.cmd_stream()).await
+        else {
             return false;
         };
         let info = stream.consumer_info(&name).await;
@@ -344,11 +370,12 @@ impl Worker {
     ) -> anyhow::Result<()> {
         let mut relay = Relay::start(
             self.partition,
-            self.store.clone(),
-            self.js.clone(),
-            self.subjects.clone(),
-            self.config.nats.max_inflight,
-            self.stats.clone(),
+            self.shared.store.clone(),
+            self.shared.js.clone(),
+            self.shared.subjects.clone(),
+            self.shared.config.nats.max_inflight,
+            (self.shared.config.redis.wait_replicas, self.shared.config.redis.wait_timeout),
+            self.shared.stats.clone(),
         )
         .await;
         // Whatever a previous owner committed but did not publish goes
@@ -359,13 +386,14 @@ impl Worker {
         }
         let Some((stream, mut messages)) = self.bind(&shutdown).await else { return Ok(()) };
         // Keyframe markers.
-        let mut publisher = Publisher::new(self.js.clone(), self.config.nats.max_inflight);
+        let mut publisher =
+            Publisher::new(self.shared.js.clone(), self.shared.config.nats.max_inflight);
         // For reading ahead (direct gets on the command stream).
         let stream = (stream.cached_info().config.allow_direct
-            && self.config.storage.read_ahead > 0)
+            && self.shared.config.storage.read_ahead > 0)
             .then_some(stream);
-        self.ready.worker_bound();
-        let mut purge = tokio::time::interval(self.config.storage.purge_interval);
+        self.shared.ready.worker_bound();
+        let mut purge = tokio::time::interval(self.shared.config.storage.purge_interval);
         purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snapshots: VecDeque<PlaceSnapshot> = VecDeque::new();
         let mut in_hand: Option<InHand> = None;
@@ -407,16 +435,19 @@ impl Worker {
                     let hand = in_hand.take().expect("guarded");
                     self.finish_snapshot(hand, published, &mut publisher).await;
                 }
-                permit = self.keyframe_limits.permits.clone().acquire_owned(),
+                permit = self.shared.keyframe_limits.permits.clone().acquire_owned(),
                     if in_hand.is_none() && !snapshots.is_empty() =>
                 {
                     if let (Ok(permit), Some(s)) = (permit, snapshots.pop_front()) {
+                        self.shared.stats.keyframe_places_queued.fetch_sub(1, Ordering::Relaxed);
                         in_hand = self.start_snapshot(s, permit).await;
                     }
                 }
                 _ = purge.tick() => self.purge(&mut relay, &shutdown).await,
             }
         }
+        let dropped = snapshots.len() as u64;
+        self.shared.stats.keyframe_places_queued.fetch_sub(dropped, Ordering::Relaxed);
         // A keyframe on its way is finished, marker included: a reader would
         // otherwise wait for a keyframe that never completes.
         if let Some(mut hand) = in_hand {

@@ -24,7 +24,7 @@ impl Worker {
     /// records absent for longer than `absent_ttl` (a DELETED change each),
     /// every write fenced by the partition's position like a commit.
     pub(super) async fn purge(&self, relay: &mut Relay, shutdown: &Drain) {
-        let at = match self.store.position(self.partition).await {
+        let at = match self.shared.store.position(self.partition).await {
             Ok(at) if at.step.is_empty() => at,
             Ok(_) => return, // a message is half applied: it goes first
             Err(e) => {
@@ -33,12 +33,13 @@ impl Worker {
             }
         };
         let fence = Fence { at, stream: self.stream_identity() };
-        let cutoff = Self::now_us() - self.config.storage.tombstone_ttl.as_micros() as i64;
-        match self.store.purge_tombstones(self.partition, &fence, cutoff, PURGE_BATCH).await {
+        let cutoff = Self::now_us() - self.shared.config.storage.tombstone_ttl.as_micros() as i64;
+        match self.shared.store.purge_tombstones(self.partition, &fence, cutoff, PURGE_BATCH).await
+        {
             Ok(Some(0)) => {}
             Ok(Some(n)) => {
                 debug!(partition = %self.partition, purged = n, "tombstones purged");
-                self.stats.tombstones_purged(n as u64);
+                self.shared.stats.tombstones_purged(n as u64);
             }
             Ok(None) => warn!(partition = %self.partition, "tombstone purge fenced; skipped"),
             Err(e) => {
@@ -63,12 +64,12 @@ impl Worker {
         relay: &mut Relay,
         shutdown: &Drain,
     ) -> Result<(), HandleError> {
-        let ttl = self.config.storage.absent_ttl;
+        let ttl = self.shared.config.storage.absent_ttl;
         if ttl.is_zero() {
             return Ok(());
         }
         let cutoff = Self::now_us() - ttl.as_micros() as i64;
-        let due = self.store.absent_due(self.partition, cutoff, PURGE_BATCH).await?;
+        let due = self.shared.store.absent_due(self.partition, cutoff, PURGE_BATCH).await?;
         if due.is_empty() {
             return Ok(());
         }
@@ -77,7 +78,7 @@ impl Worker {
             commands: due.iter().map(|k| delete_command(k, None)).collect(),
             ..Default::default()
         };
-        let mut loaded = self.store.load(self.partition, &probe).await?;
+        let mut loaded = self.shared.store.load(self.partition, &probe).await?;
         if loaded.at != fence.at {
             return Err(HandleError::Fenced);
         }
@@ -112,12 +113,12 @@ impl Worker {
             Commit::Done => {}
             Commit::Fenced => return Err(HandleError::Fenced),
         }
-        self.wait_replicas().await?;
+        self.wait_replicas(shutdown).await?;
         self.note_changed(&loaded.slots);
         let purged = outcome.changes.len() as u64;
         if purged > 0 {
             info!(partition = %self.partition, purged, "absent records purged (absent_ttl)");
-            self.stats.absent_purged(purged);
+            self.shared.stats.absent_purged(purged);
         }
         self.relay_until_done(relay, shutdown).await;
         Ok(())

@@ -25,7 +25,7 @@ use tracing::{debug, warn};
 use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
 use crate::apply::touched_set::Appends;
-use crate::apply::{apply_batch, reason};
+use crate::apply::{GenEntry, apply_batch, reason};
 use crate::outbox::Relay;
 use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
@@ -129,7 +129,8 @@ impl Worker {
         shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
         let p = self.partition;
-        let at = self.store.position(p).await?;
+        let at = self.shared.store.position(p).await?;
+        self.went_back(&at);
         if seq <= at.applied {
             return Ok(Handled::Skipped);
         }
@@ -142,7 +143,7 @@ impl Worker {
         let mut alive = KeepAlive { msg, last: Instant::now() };
         if !step.commands_done && !batch.commands.is_empty() {
             let commands = CommandBatch { sweeps: Vec::new(), ..batch.clone() };
-            let mut loaded = self.store.load(p, &commands).await?;
+            let mut loaded = self.shared.store.load(p, &commands).await?;
             if loaded.at != fence.at {
                 return Err(HandleError::Fenced);
             }
@@ -166,30 +167,45 @@ impl Worker {
             self.commit_step(&mut fence, &step, batch.sweeps.is_empty(), &writes, relay, shutdown)
                 .await?;
             self.note_changed(&loaded.slots);
-            self.stats.applied_batch(&commands, outcome.changes.len() as u64, &outcome);
+            self.shared.stats.applied_batch(&commands, outcome.changes.len() as u64, &outcome);
         }
         step.commands_done = true;
         while step.sweep < batch.sweeps.len() {
             let s = &batch.sweeps[step.sweep];
             let last = step.sweep + 1 == batch.sweeps.len();
             // What the import carried to the place (committed with its commands).
-            let carried = self.store.touched(p, s.place(), s.generation).await?;
-            let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
+            let carried = self.shared.store.touched(p, s.place(), s.generation).await?;
+            let held = self.shared.store.held(p, s.place()).await?;
+            // A released sweep marks only what was there when it was held:
+            // a record written since (created or changed by a delta) was not
+            // there for its import to see.
+            let written_by = match (s.release_held, &held) {
+                (true, Some(h)) => h.decided_at,
+                _ => i64::MAX,
+            };
+            let spared = |id: &str, e: &GenEntry| {
+                e.updated_at > written_by || carried.as_ref().is_some_and(|c| c.contains(id))
+            };
             let census = match step.applying {
                 Some(census) => census,
                 None => {
-                    let known = self.known().live.census(s.place(), s.generation, carried.as_ref());
+                    // The owner's memory has no `updated_at`: a release scans.
+                    let known = match s.release_held {
+                        false => {
+                            self.known().live.census(s.place(), s.generation, carried.as_ref())
+                        }
+                        true => None,
+                    };
                     let census = match known {
                         Some(census) => census,
                         None => self.census(s, &spared, &mut alive).await?,
                     };
-                    let held = self.store.held(p, s.place()).await?;
                     match sweep::decide(s, census, carried.is_some(), held.as_ref()) {
                         Decision::Apply => census,
                         decision => {
                             let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown };
                             self.skip_sweep(seq, s, &mut step, decision, census, last, ctx).await?;
-                            self.stats.sweep_done();
+                            self.shared.stats.sweep_done();
                             continue;
                         }
                     }
@@ -202,14 +218,15 @@ impl Worker {
             let (mut cursor, mut scanning) = (0, census.candidates > 0);
             while scanning {
                 alive.tick().await;
-                let (next, column) = self.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
+                let (next, column) =
+                    self.shared.store.scan_gens(p, s.place(), cursor, SWEEP_STEP).await?;
                 let ids: Vec<String> = column
                     .into_iter()
-                    .filter(|(id, e)| sweep::is_candidate(e, s.generation) && !spared(id))
+                    .filter(|(id, e)| sweep::is_candidate(e, s.generation) && !spared(id, e))
                     .map(|(id, _)| id)
                     .collect();
                 if !ids.is_empty() {
-                    let mut slots = self.store.load_place(p, s.place(), &ids).await?;
+                    let mut slots = self.shared.store.load_place(p, s.place(), &ids).await?;
                     let now = Self::now_us();
                     let mut changes = Vec::new();
                     for id in &ids {
@@ -239,7 +256,7 @@ impl Worker {
                         self.commit_step(&mut fence, &step, false, &writes, relay, shutdown)
                             .await?;
                         self.note_changed(&slots);
-                        self.stats.sweep_changes(changes.len() as u64);
+                        self.shared.stats.sweep_changes(changes.len() as u64);
                     }
                 }
                 (cursor, scanning) = (next, next != 0);
@@ -251,13 +268,13 @@ impl Worker {
                 partition = %self.partition, brand_id = s.brand_id, place_id = s.place_id,
                 live = census.live, marked_absent = step.marked, "sweep applied"
             );
-            self.stats.sweep_applied();
+            self.shared.stats.sweep_applied();
             step.next_sweep();
             let writes = Writes::decided(&[], &outcome);
             self.commit_step(&mut fence, &step, last, &writes, relay, shutdown).await?;
-            self.stats.sweep_done();
+            self.shared.stats.sweep_done();
         }
-        self.stats.sweep_message_done();
+        self.shared.stats.sweep_message_done();
         Ok(Handled::Applied)
     }
 
@@ -284,7 +301,7 @@ impl Worker {
                 import_id = %s.import_id, why, live = census.live, would_mark_absent = census.candidates,
                 "sweep held, nothing marked absent (release it with `shelfsync sweep --import`)"
             );
-            self.stats.sweep_held(why);
+            self.shared.stats.sweep_held(why);
             rejections.push(held_notice(s, &outcome));
         } else {
             warn!(
@@ -311,22 +328,22 @@ impl Worker {
     async fn census(
         &self,
         s: &Sweep,
-        spared: &impl Fn(&str) -> bool,
+        spared: &impl Fn(&str, &GenEntry) -> bool,
         alive: &mut KeepAlive<'_>,
     ) -> Result<Census, StoreError> {
-        self.stats.sweep_scanned();
+        self.shared.stats.sweep_scanned();
         let mut census = Census::default();
         let mut read = std::collections::HashMap::new();
         let mut cursor = 0;
         loop {
             alive.tick().await;
             let (next, column) =
-                self.store.scan_gens(self.partition, s.place(), cursor, SWEEP_STEP).await?;
+                self.shared.store.scan_gens(self.partition, s.place(), cursor, SWEEP_STEP).await?;
             for (id, e) in column {
                 // A rehash can return a field twice.
                 let k = crate::known::key_hash(s.brand_id, s.place_id, &id);
                 if read.insert(k, e).is_none() {
-                    census.count(&e, s.generation, spared(&id));
+                    census.count(&e, s.generation, spared(&id, &e));
                 }
             }
             if next == 0 {
@@ -358,7 +375,7 @@ impl Worker {
             Commit::Fenced => return Err(HandleError::Fenced),
         }
         fence.at = to;
-        self.wait_replicas().await?;
+        self.wait_replicas(shutdown).await?;
         self.relay_until_done(relay, shutdown).await;
         if shutdown.is_started() && !last {
             return Err(HandleError::Stopping);
