@@ -72,14 +72,16 @@ impl Running {
 pub struct InProcessStorage {
     running: Option<Running>,
     pub stats: std::sync::Arc<shelfsync_storage::Stats>,
+    /// What its `/readyz` answers from (refused, held back, draining).
+    pub ready: std::sync::Arc<shelfsync_storage::Readiness>,
 }
 
 impl InProcessStorage {
     pub async fn start(settings: Settings) -> anyhow::Result<Self> {
         let app = shelfsync_storage::App::build(settings).await?;
-        let stats = app.stats();
+        let (stats, ready) = (app.stats(), app.readiness());
         let running = spawn_with(|shutdown| app.run_until(shutdown));
-        Ok(Self { running: Some(running), stats })
+        Ok(Self { running: Some(running), stats, ready })
     }
 
     /// Graceful stop, as on SIGTERM.

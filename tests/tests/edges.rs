@@ -27,7 +27,10 @@ fn price_patch(place: i64, id: &str, price: i64) -> Command {
 
 #[tokio::test]
 async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
-    let Stack { h, storage, settings, env: _env } = Stack::start().await;
+    // One message a commit: the new stream's sequences, and so their change
+    // batches, repeat the old ones exactly.
+    let Stack { h, storage, settings, env: _env } =
+        Stack::start_with(|s| s.storage.read_ahead = 0).await;
     let place = 1;
     let p = h.partition(BRAND, place);
     // Ten messages applied: the partition's applied sequence is 10.
@@ -64,6 +67,17 @@ async fn a_recreated_command_stream_is_refused_until_an_operator_rebases_it() {
         assert_eq!(decode_product(&r.data).price, Some(200), "applied after the re-base");
     }
     assert_eq!(h.store.applied_seq(p).await.expect("redis"), 3, "counts in the new stream");
+    // Their changes are stored too, although the new stream's sequences
+    // repeat the old ones inside the duplicate window: change message ids
+    // name the command stream they count in.
+    let repriced = h
+        .changes()
+        .await
+        .expect("changes")
+        .into_iter()
+        .filter(|c| c.after.as_ref().is_some_and(|a| decode_product(&a.data).price == Some(200)))
+        .count();
+    assert_eq!(repriced, 3, "every change after the re-base is on CHANGES");
 }
 
 #[tokio::test]
@@ -95,10 +109,12 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
             }
             .encode_to_vec(),
             // A rejection holds the origin twice (its own and the command's):
-            // a kilobyte more than the command, whatever the headers weigh.
+            // 20 KiB more than the command, more than the room the command
+            // stream leaves under the payload limit (`CMD_HEADROOM`) beyond
+            // storage's own headroom, whatever the headers weigh.
             origin: Some(shelfsync_proto::Origin {
                 source: "edge".into(),
-                import_id: "i".repeat(1024),
+                import_id: "i".repeat(20 * 1024),
                 ..Default::default()
             }),
             ..Default::default()
@@ -117,9 +133,12 @@ async fn a_rejection_too_large_to_publish_is_reduced_and_its_partition_goes_on()
         let (js, subject) = (h.js.clone(), h.subjects.cmd(p));
         async move { anyhow::Ok(js.send_publish(subject, msg).await?.await?) }
     };
-    let mut len = 65_536;
+    // The command stream takes messages up to CMD_HEADROOM below the
+    // limit; the command's origin takes 20 KiB of it.
+    let start = 65_536 - shelfsync_bus::CMD_HEADROOM - 20 * 1024;
+    let mut len = start;
     let sent = loop {
-        assert!(len > 60_000, "no command near the limit could be sent");
+        assert!(len > start - 4096, "no command near the limit could be sent");
         if send_traced(len).await.is_ok() {
             break len;
         }
@@ -245,4 +264,120 @@ async fn a_commit_is_neither_published_nor_acked_before_a_redis_replica_has_it()
     let metrics = shelfsync_telemetry::render_metrics();
     let retries = metric_value(&metrics, "shelfsync_redis_wait_retries_total", "").unwrap_or(0.0);
     assert!(retries >= 1.0, "the waits were counted: {retries}");
+}
+
+/// A sweep applied in steps, its storage killed after the first step, and
+/// its message then deleted from the command stream (by an operator, or
+/// lost with the stream's files): the partition can never finish it. It is
+/// refused — not ready, one error — instead of retrying forever, and
+/// `shelfsync rebase --drop-step` lets it go on; what the sweep marked stays.
+#[tokio::test]
+async fn a_half_applied_sweep_whose_message_is_gone_refuses_its_partition_until_dropped() {
+    let env = TestEnv::start().await.expect("servers");
+    let settings = storage_settings(&env);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let place = 1;
+    let p = h.partition(BRAND, place);
+    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    let ids: Vec<String> = (0..2500).map(|i| format!("sku-{i}")).collect();
+    for chunk in ids.chunks(1000) {
+        let batch =
+            chunk.iter().map(|id| patch(BRAND, place, id, &product("Roses", 100, 3), 1)).collect();
+        h.send(batch).await.expect("send");
+    }
+    h.wait_settled().await;
+    storage.stop().await.expect("stop");
+
+    // A sweep that marks every record absent, 1000 per step; the storage
+    // binary dies right after its first step.
+    let mut storage =
+        StorageProcess::start(&settings, &[("SHELFSYNC_FAILPOINT", "after_sweep_step")])
+            .expect("storage");
+    h.send_sweep(BRAND, place, 2).await.expect("sweep");
+    storage.wait_exit(SETTLE).await.expect("aborted at the failpoint");
+    let at = h.store.position(p).await.expect("position");
+    assert!(!at.step.is_empty(), "the sweep is half applied: {at:?}");
+    let mut cmd = h.js.get_stream(h.subjects.cmd_stream()).await.expect("CMD");
+    let sweep_seq = cmd.info().await.expect("info").state.last_sequence;
+    cmd.delete_message(sweep_seq).await.expect("the sweep message deleted");
+    let absent = || async {
+        let records = h.records_of(BRAND, &[place]).await.expect("records");
+        records.values().filter(|r| r.absent).count()
+    };
+    let marked = absent().await;
+    assert!((1..2500).contains(&marked), "one step marked: {marked}");
+    h.send(vec![price_patch(place, "after", 100)]).await.expect("send");
+
+    let storage = InProcessStorage::start(settings.clone()).await.expect("storage");
+    eventually(SETTLE, "the partition to be refused", || async {
+        matches!(
+            storage.ready.refused().get(&p.0),
+            Some(shelfsync_storage::Refusal::StepGone { .. })
+        )
+    })
+    .await;
+    assert!(!storage.ready.is_ready(), "not ready while refused");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(h.get(BRAND, place, "after").await.expect("get").is_none(), "nothing applied");
+
+    let out = cli_ok(&settings, &["rebase", "--drop-step"]).await.expect("rebase --drop-step");
+    assert!(out.contains(&format!("re-based partitions [{}]", p.0)), "{out}");
+    h.wait_settled().await;
+    assert!(h.get(BRAND, place, "after").await.expect("get").is_some(), "the partition went on");
+    assert_eq!(absent().await, marked, "what the sweep marked stays; the rest was dropped");
+    eventually(SETTLE, "ready again", || async { storage.ready.is_ready() }).await;
+}
+
+/// `redis.wait_replicas` holds on every path that publishes or acks, and
+/// cannot be passed by a connection that wrote nothing: a commit whose
+/// owner died before it saw the replicas confirm is relayed by the next
+/// owner only once they have it; and `WAIT` on a fresh connection (which
+/// alone would return at once) counts the replicas that have every write.
+#[tokio::test]
+async fn a_commit_left_by_a_dead_owner_is_relayed_only_once_the_replicas_have_it() {
+    let nats = NatsServer::start().await.expect("nats");
+    let primary = RedisServer::start().await.expect("redis");
+    let port = primary.port().to_string();
+    let replica =
+        RedisServer::start_with_args(&["--replicaof", "127.0.0.1", &port]).await.expect("replica");
+    let env = TestEnv::with_servers(nats, primary);
+    let mut settings = storage_settings(&env);
+    settings.redis.wait_replicas = 1;
+    settings.redis.wait_timeout = Duration::from_millis(200);
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    let place = 1;
+    let p = h.partition(BRAND, place);
+    eventually(SETTLE, "the replica to be in sync", || async {
+        h.store.wait_replicas(p, 1, Duration::from_millis(100)).await.is_ok_and(|n| n == 1)
+    })
+    .await;
+
+    // The replica stops answering; storage commits, then dies before it
+    // sees the replica confirm (before publishing or acking).
+    let pid = replica.pid().expect("replica pid");
+    signal(pid, "STOP");
+    let mut storage = StorageProcess::start(&settings, &[]).expect("storage");
+    h.send(vec![price_patch(place, "a", 100)]).await.expect("send");
+    eventually(SETTLE, "the commit, waiting for the replica", || async {
+        h.store.outbox_len(p).await.is_ok_and(|n| n == 1)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.changes().await.expect("changes").len(), 0, "not published while it waits");
+    storage.kill();
+    assert_eq!(h.store.outbox_len(p).await.expect("outbox"), 1, "committed, not relayed");
+
+    // A fresh connection's WAIT would pass at once: it wrote nothing.
+    let fresh = shelfsync_storage::Store::connect(&settings.redis).await.expect("connect");
+    let have = fresh.wait_replicas(p, 1, Duration::from_millis(200)).await.expect("wait");
+    assert_eq!(have, 0, "a stopped replica does not have every write");
+
+    // The next owner relays the outbox only once the replica has it.
+    let _storage = StorageProcess::start(&settings, &[]).expect("storage");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = h.changes().await.expect("changes").len();
+    signal(pid, "CONT");
+    assert_eq!(before, 0, "nothing published while the replica had not confirmed the commit");
+    h.wait_settled().await;
+    assert_eq!(h.changes().await.expect("changes").len(), 1, "published once it had");
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use async_nats::jetstream::message::PublishMessage;
 use prost::Message;
 use shelfsync_bus::{Partition, TYPE_HEADER};
-use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, msg_type};
+use shelfsync_proto::{Command, CommandBatch, CommandKind, Product, RecordKey, Sweep, msg_type};
 use shelfsync_settings::{ImportKind, PartnerSettings};
 use shelfsync_storage::Stats;
 use shelfsync_tests::*;
@@ -370,6 +370,16 @@ async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flo
         ]),
         &mut raw,
     );
+    // Over the contract: 1001 commands in one message (refused whole,
+    // counted before anything is allocated for them).
+    raw.push(batch((0..1001).map(|i| good(&format!("many-{i}"), 1)).collect()).encode_to_vec());
+    // A sweep on the command subject (only ingest and the CLI may send one,
+    // on the sweep subject): refused, the message's commands still apply.
+    let mut forged = batch(vec![good("beside-a-forged-sweep", 1)]);
+    decodable(forged.clone(), &mut raw);
+    forged.sweeps =
+        vec![Sweep { brand_id: BRAND, place_id: 1, generation: i64::MAX, ..Default::default() }];
+    *raw.last_mut().expect("just pushed") = forged.encode_to_vec();
     decodable(batch(vec![good("last", 1)]), &mut raw);
     for payload in raw {
         h.send_raw(p, payload).await.expect("publish");
@@ -390,6 +400,7 @@ async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flo
     reasons.sort();
     let mut expected: Vec<String> = model.rejections.clone();
     expected.extend(["undecodable"; 3].map(String::from));
+    expected.extend(["too_large", "sweep_forbidden"].map(String::from));
     expected.sort();
     assert_eq!(reasons, expected);
     assert_eq!(
@@ -401,7 +412,12 @@ async fn a_bad_command_corpus_is_rejected_or_dead_lettered_and_the_partition_flo
     for r in ["wrong_partition", "too_large", "conflict"] {
         assert!(model.rejections.iter().any(|x| x == r), "{r} in {:?}", model.rejections);
     }
-    assert_eq!(Stats::get(&storage.stats.dead_lettered), 3, "the undecodable messages, each once");
+    assert_eq!(
+        Stats::get(&storage.stats.dead_lettered),
+        4,
+        "the undecodable messages and the one over the limit, each once"
+    );
+    assert!(h.get(BRAND, 1, "many-0").await.expect("get").is_none(), "set aside whole");
     let unknown = h.get(BRAND, 1, "unknown-field").await.expect("get").expect("stored");
     assert!(unknown.data.ends_with(&[0xf8, 0x06, 42]), "an unknown field is kept as is");
     let neg = h.get(BRAND, 1, "negative").await.expect("get").expect("stored");

@@ -177,6 +177,45 @@ async fn a_newer_import_supersedes_a_held_sweep_and_releasing_the_old_one_is_ref
     assert_eq!(w.live(1, 50).await, 40, "nothing more was swept");
 }
 
+/// A held sweep released late marks only what was there when it was held:
+/// a record a delta created after the hold, and a left-out record a delta
+/// changed after it, stay live (the import could not have seen them).
+#[tokio::test]
+async fn a_late_release_spares_what_was_written_after_the_hold() {
+    let w = start().await;
+    w.import(&feed(&[(1, 0..10, false)])).await;
+    // 2 of 10: held, over the partner's fraction.
+    let report = w.import(&feed(&[(1, 0..2, false)])).await;
+    let [held] = report.held_sweeps.as_slice() else { panic!("one held sweep: {report:#?}") };
+    assert_eq!(held.reason, "over_fraction");
+    // After the hold, deltas write to the place: a new record, and one the
+    // import left out.
+    let delta = |id: &str, price: i64| patch(BRAND, 1, id, &product("Tulips", price, 2), 0);
+    w.h.send(vec![delta("sku-new", 5), delta("sku-5", 77)]).await.expect("send");
+    w.h.wait_settled().await;
+    // What is kept for the release is counted: the held sweep's touched set,
+    // and the outcomes of both imports' sweeps.
+    let p = w.h.partition(BRAND, 1);
+    let (outcomes, touched) = w.h.store.kept(p).await.expect("kept");
+    assert_eq!((outcomes, touched), (2, 1), "two imports' outcomes, the held one's touched set");
+    let out =
+        cli_ok(&w.settings, &["sweep", "--import", &report.import_id]).await.expect("release");
+    assert!(out.contains("applied"), "{out}");
+    w.h.wait_settled().await;
+    assert_eq!(w.h.store.kept(p).await.expect("kept").1, 0, "its touched set goes once applied");
+    let mut live = std::collections::BTreeMap::new();
+    for id in ["sku-new", "sku-0", "sku-1", "sku-2", "sku-3", "sku-4", "sku-5", "sku-6", "sku-7"] {
+        let r = w.h.get(BRAND, 1, id).await.expect("get").expect("record");
+        live.insert(id, !r.absent && !r.deleted);
+    }
+    assert!(live["sku-new"], "created after the hold: not the import's to sweep");
+    assert!(live["sku-5"], "changed after the hold: spared");
+    assert!(live["sku-0"] && live["sku-1"], "carried by the import");
+    for id in ["sku-2", "sku-3", "sku-4", "sku-6", "sku-7"] {
+        assert!(!live[id], "{id} left out by the import: absent");
+    }
+}
+
 #[tokio::test]
 async fn a_small_healthy_import_sweeps_as_before() {
     let w = start().await;

@@ -26,7 +26,8 @@ fn armed() -> Option<&'static Armed> {
 }
 
 /// Points: `before_commit`, `after_commit`, `after_outbox_publish` (published,
-/// outbox not trimmed), `after_publish` (before the ack), `after_ack`.
+/// outbox not trimmed), `after_publish` (before the ack), `after_ack`,
+/// `after_sweep_step` (a step of a message applied in steps committed).
 pub fn hit(name: &str) {
     if reached(name) {
         eprintln!("failpoint {name} reached: aborting");

@@ -34,5 +34,5 @@ mod worker;
 pub use app::{App, shutdown_signal};
 pub use config::Config;
 pub use metrics::Stats;
-pub use readiness::Readiness;
+pub use readiness::{Readiness, Refusal};
 pub use store::{RedisConn, Store, StoreError};

@@ -268,10 +268,10 @@ pub async fn provision(
     nats: &NatsSettings,
     topology: Topology,
 ) -> Result<(), BusError> {
-    let max_payload = js.client().server_info().max_payload;
+    let max_payload = server_max_payload(&js.client()).await;
     for mut config in stream_configs(nats, topology) {
         if config.name == Subjects::new(&nats.prefix).cmd_stream() {
-            config.max_message_size = cmd_max_message_size(max_payload);
+            config.max_message_size = max_payload.map_or(0, cmd_max_message_size);
         }
         let name = config.name.clone();
         let err = |detail: String| BusError::Provision { stream: name.clone(), detail };
@@ -286,6 +286,10 @@ pub async fn provision(
                         "the stream was created with {have} partitions, settings say {want}; \
                          the partition count is fixed"
                     )));
+                }
+                if max_payload.is_none() {
+                    // The server's limit unknown: the one set before stays.
+                    config.max_message_size = info.config.max_message_size;
                 }
                 js.update_stream(&config).await.map_err(|e| err(e.to_string()))?;
             }
@@ -314,14 +318,12 @@ pub async fn verify(
     let cmd = Subjects::new(&nats.prefix).cmd_stream();
     for mut want in stream_configs(nats, topology) {
         let name = want.name.clone();
-        let got = js.get_stream(&name).await;
-        // As `provision` sets it: below this server's max payload (known
-        // once a request got through: a client that connects in the
-        // background has no server info before).
+        // As `provision` sets it: below this server's max payload.
         if name == cmd {
-            want.max_message_size = cmd_max_message_size(js.client().server_info().max_payload);
+            want.max_message_size =
+                server_max_payload(&js.client()).await.map_or(0, cmd_max_message_size);
         }
-        match got {
+        match js.get_stream(&name).await {
             Ok(mut stream) => {
                 let info = stream.info().await.map_err(|e| BusError::StreamInfo {
                     stream: name.clone(),
@@ -380,6 +382,16 @@ pub fn differences(have: &stream::Config, want: &stream::Config) -> Vec<Differen
         push("partitions (metadata shelfsync.partitions)", had, partitions.clone());
     }
     out
+}
+
+/// The server's `max_payload`, once the connection has its INFO (a client
+/// that connects in the background may not have it yet: a flush waits for
+/// the connection). `None`: still unknown.
+pub async fn server_max_payload(client: &async_nats::Client) -> Option<usize> {
+    if client.try_server_info().is_none() {
+        let _ = tokio::time::timeout(Duration::from_secs(10), client.flush()).await;
+    }
+    client.try_server_info().map(|i| i.max_payload).filter(|&n| n > 0)
 }
 
 /// The command stream's largest message on a server of `max_payload`.

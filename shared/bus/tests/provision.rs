@@ -158,3 +158,27 @@ async fn verify_names_every_difference_and_asks_for_setup() -> anyhow::Result<()
     assert_eq!(cmd_config.max_bytes, 1 << 30);
     Ok(())
 }
+
+/// The command stream refuses a message within `CMD_HEADROOM` of the
+/// server's payload limit, so that a dead-lettered command message always
+/// travels whole in its rejection; what producers send
+/// (`command_bytes_limit`) goes through.
+#[tokio::test]
+async fn the_command_stream_leaves_room_under_the_payload_limit_for_its_dead_letters() {
+    let server = NatsServer::start_with_config("max_payload: 131072").await.expect("nats");
+    let js = connect(&server).await.expect("connect");
+    let prefix = unique_name();
+    let s = settings(&prefix);
+    provision(&js, &s.nats, s.topology()).await.expect("provision");
+    let subjects = Subjects::new(&prefix);
+    let mut stream = js.get_stream(subjects.cmd_stream()).await.expect("CMD");
+    let info = stream.info().await.expect("info");
+    assert_eq!(info.config.max_message_size, shelfsync_bus::cmd_max_message_size(131_072));
+    let subject = subjects.cmd(shelfsync_bus::Partition(0));
+    let limit = shelfsync_bus::command_bytes_limit(131_072);
+    assert_eq!(publish_until_refused(&js, &subject, 1, limit).await.unwrap().0, 1);
+    let over = 131_072 - shelfsync_bus::CMD_HEADROOM + 1;
+    let (stored, refusal) = publish_until_refused(&js, &subject, 1, over).await.unwrap();
+    assert_eq!(stored, 0, "a message in the headroom is refused");
+    assert!(refusal.is_some_and(|e| e.contains("maximum")), "refused for its size");
+}

@@ -32,7 +32,7 @@ pub struct StorageSettings {
     /// JetStream ack wait of the command consumers.
     #[serde(with = "humantime_serde")]
     pub ack_wait: Duration,
-    /// First delay of a nak after a transient failure (doubles up to 30 s).
+    /// First delay of a nak after a transient failure (doubles up to 5 s).
     #[serde(with = "humantime_serde")]
     pub retry_delay: Duration,
     /// When keyframes are published: a cron expression in UTC with seconds

@@ -23,6 +23,8 @@ pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
         ("SHELFSYNC__NATS__REJECTS_MAX_BYTES".into(), s.nats.rejects_max_bytes.to_string()),
         ("SHELFSYNC__REDIS__URL".into(), s.redis.url.clone()),
         ("SHELFSYNC__REDIS__NAMESPACE".into(), s.redis.namespace.clone()),
+        ("SHELFSYNC__REDIS__WAIT_REPLICAS".into(), s.redis.wait_replicas.to_string()),
+        ("SHELFSYNC__REDIS__WAIT_TIMEOUT".into(), ms(s.redis.wait_timeout)),
         ("SHELFSYNC__STORAGE__PARTITIONS".into(), s.storage.partitions.to_string()),
         ("SHELFSYNC__STORAGE__ACK_WAIT".into(), ms(s.storage.ack_wait)),
         ("SHELFSYNC__STORAGE__RETRY_DELAY".into(), ms(s.storage.retry_delay)),

@@ -26,6 +26,10 @@ use crate::store::{Commit, Fence, Position, StoreError, Writes};
 /// A non-transient failure is retried this many deliveries, then the batch
 /// is dead-lettered so that it cannot block its partition.
 const MAX_FAILED_DELIVERIES: u64 = 5;
+/// The longest wait before a failed message is delivered again: short
+/// enough that a partition held back for an hour goes on within seconds of
+/// room coming back, long enough that waiting costs nothing.
+const RETRY_MAX: Duration = Duration::from_secs(5);
 /// First and longest wait between two attempts of a failed relay.
 const RELAY_RETRY: Duration = Duration::from_millis(100);
 const RELAY_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -115,10 +119,10 @@ impl Worker {
     }
 
     /// How long a failed delivery waits before the next: doubling from
-    /// `storage.retry_delay` up to 30 s, jittered.
+    /// `storage.retry_delay` up to [`RETRY_MAX`], jittered.
     pub(super) fn backoff(&self, delivered: u64) -> Duration {
         let base = self.shared.config.storage.retry_delay;
-        super::pressure::jittered(base, delivered, Duration::from_secs(30))
+        super::pressure::jittered(base, delivered, RETRY_MAX)
     }
 
     /// A partition refused for a vanished half-applied message applied one

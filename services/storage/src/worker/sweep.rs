@@ -26,6 +26,7 @@ use super::{HandleError, Handled, Worker};
 use crate::apply::sweep::{self, Census, Decision};
 use crate::apply::touched_set::Appends;
 use crate::apply::{GenEntry, apply_batch, reason};
+use crate::failpoint;
 use crate::outbox::Relay;
 use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
@@ -375,6 +376,7 @@ impl Worker {
             Commit::Fenced => return Err(HandleError::Fenced),
         }
         fence.at = to;
+        failpoint::hit("after_sweep_step");
         self.wait_replicas(shutdown).await?;
         self.relay_until_done(relay, shutdown).await;
         if shutdown.is_started() && !last {
