@@ -115,7 +115,9 @@ async fn partition_loop(ctx: Arc<Ctx>, partition: Partition) -> anyhow::Result<(
     // Storage's consumer, field for field (services/storage/src/worker.rs).
     let config = pull::Config {
         durable_name: Some(name.clone()),
-        filter_subject: ctx.subjects.cmd(partition),
+        // Commands and sweeps, as storage's consumer reads them (sweeps
+        // travel on the partition's sweep subject).
+        filter_subjects: vec![ctx.subjects.cmd(partition), ctx.subjects.cmd_sweep(partition)],
         ack_policy: jetstream::consumer::AckPolicy::Explicit,
         ack_wait: ctx.settings.storage.ack_wait,
         max_ack_pending: 1,
