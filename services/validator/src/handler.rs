@@ -1,16 +1,17 @@
-//! The feed handler: judges each update, publishes the resulting CAS
-//! commands in batches on the place's command partition, and returns only
-//! once JetStream has stored them — the kit acks the change message after
-//! that, so a crash in between means a redelivery, and the redelivered
-//! decisions carry the same message ids (dropped as duplicates).
+//! The feed handler: judges each update, hands the resulting CAS commands to
+//! the kit's coalescing command publisher (batched per partition with what
+//! other updates decide meanwhile), and returns only once JetStream has
+//! stored them — the kit acks the change message after that, so a crash in
+//! between means a redelivery; a message of decisions published again
+//! carries the same id (named after its decisions) and is dropped as a
+//! duplicate, and one coalesced otherwise is refused as a CAS `conflict`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use prost::Message;
-use shelfsync_bus::{CommandBatcher, Publisher, Subjects, command_bytes_limit};
+use shelfsync_bus::{CommandPublisher, CommandPublisherConfig, Subjects};
 use shelfsync_feed::{Handler, HandlerError, Update};
-use shelfsync_proto::{Command, CommandBatch, msg_type, now_us};
+use shelfsync_proto::{Command, now_us};
 use shelfsync_settings::{NatsSettings, Topology};
 use tracing::{Instrument, debug, info_span};
 
@@ -43,10 +44,7 @@ impl Stats {
 /// The validator as a [`Handler`] of the change feed.
 pub struct Validator {
     rules: Arc<Rules>,
-    client: async_nats::Client,
-    subjects: Subjects,
-    partitions: u32,
-    publisher: Publisher,
+    publisher: CommandPublisher,
     stats: Arc<Stats>,
 }
 
@@ -59,14 +57,18 @@ impl Validator {
         stats: Arc<Stats>,
     ) -> Self {
         let js = shelfsync_bus::jetstream(client.clone(), nats);
-        Self {
-            rules,
-            client,
-            subjects: Subjects::new(&nats.prefix),
-            partitions: topology.partitions,
-            publisher: Publisher::new(js, nats.max_inflight),
-            stats,
-        }
+        let max_payload = match client.server_info().max_payload {
+            0 => DEFAULT_MAX_PAYLOAD,
+            n => n,
+        };
+        let config = CommandPublisherConfig {
+            // A message named after its decisions: published again after
+            // a redelivery, it is dropped as a duplicate.
+            id_of: Some(batch_id),
+            ..CommandPublisherConfig::new(topology.partitions, max_payload)
+        };
+        let publisher = CommandPublisher::start(client, js, Subjects::new(&nats.prefix), config);
+        Self { rules, publisher, stats }
     }
 
     /// How many rules judge each change.
@@ -94,57 +96,46 @@ impl Validator {
             .collect()
     }
 
-    /// Publishes commands batched per partition and waits until JetStream
-    /// stored every batch.
+    /// Hands the commands to the coalescing publisher and waits until
+    /// JetStream stored every one.
     pub async fn publish(
         &mut self,
         commands: Vec<(Decision, Command)>,
     ) -> Result<(), HandlerError> {
         let (mut hides, mut unhides) = (0, 0);
-        let max_payload = match self.client.server_info().max_payload {
-            0 => DEFAULT_MAX_PAYLOAD,
-            n => n,
-        };
-        let max_bytes = command_bytes_limit(max_payload);
-        let mut batcher = CommandBatcher::new(self.partitions, 1000, max_bytes);
-        let mut batches: Vec<(shelfsync_bus::Partition, CommandBatch)> = Vec::new();
-        for (d, cmd) in commands {
-            match d {
-                Decision::Hide { .. } => hides += 1,
-                Decision::Unhide => unhides += 1,
-                Decision::Nothing => {}
-            }
-            batches.extend(batcher.push(cmd));
-        }
-        batches.extend(batcher.drain());
-        if batches.is_empty() {
+        if commands.is_empty() {
             return Ok(());
         }
-        let before = self.publisher.duplicates;
-        let transient = |e: shelfsync_bus::PublishFailed| HandlerError::Transient(e.to_string());
-        for (partition, batch) in batches {
-            let id = batch_id(&batch.commands);
-            let subject = self.subjects.cmd(partition);
-            let span = shelfsync_telemetry::send_span!(
-                "validator.send",
-                self.subjects.template(&subject),
-                subject,
-                shelfsync.command_count = batch.commands.len()
-            );
-            self.publisher
-                .publish(subject, id, msg_type::COMMAND_BATCH, None, batch.encode_to_vec().into())
-                .instrument(span)
-                .await
-                .map_err(transient)?;
+        let before = self.publisher.counts().duplicates.load(Ordering::Relaxed);
+        let failed = |e: shelfsync_bus::CommandPublishError| HandlerError::Transient(e.to_string());
+        let span = tracing::info_span!("validator.send", shelfsync.command_count = commands.len());
+        async {
+            let mut stored = Vec::with_capacity(commands.len());
+            for (d, cmd) in commands {
+                match d {
+                    Decision::Hide { .. } => hides += 1,
+                    Decision::Unhide => unhides += 1,
+                    Decision::Nothing => {}
+                }
+                stored.push(self.publisher.submit(cmd).await.map_err(failed)?);
+            }
+            for s in stored {
+                s.await
+                    .unwrap_or(Err(shelfsync_bus::CommandPublishError::Stopped))
+                    .map_err(failed)?;
+            }
+            Ok::<_, HandlerError>(())
         }
-        self.publisher.flush().await.map_err(transient)?;
+        .instrument(span)
+        .await?;
         self.stats.hides.fetch_add(hides, Ordering::Relaxed);
         self.stats.unhides.fetch_add(unhides, Ordering::Relaxed);
         metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "hide")
             .increment(hides);
         metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "unhide")
             .increment(unhides);
-        self.stats.duplicates.fetch_add(self.publisher.duplicates - before, Ordering::Relaxed);
+        let after = self.publisher.counts().duplicates.load(Ordering::Relaxed);
+        self.stats.duplicates.fetch_add(after - before, Ordering::Relaxed);
         Ok(())
     }
 }

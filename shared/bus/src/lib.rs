@@ -11,12 +11,17 @@
 //! - [`CommandBatcher`] (and [`EncodedBatcher`], for commands encoded where
 //!   they are made): batching by count (≤ 1000) and bytes (< max payload);
 //! - [`encoding`]: payloads sent compressed (`Shelfsync-Encoding: lz4`) and
-//!   read either way.
+//!   read either way;
+//! - [`CommandPublisher`]: the command publisher every producer shares,
+//!   coalescing commands per partition and flushes into atomic batches
+//!   ([`atomic`]) so that each stored message and fsync carries many.
 //!
 //! It knows the wire types but no business rule, and never touches Redis.
 #![forbid(unsafe_code)]
 
+pub mod atomic;
 mod batch;
+mod commands;
 pub mod digest;
 pub mod encoding;
 mod publish;
@@ -29,6 +34,9 @@ use shelfsync_settings::{NatsSettings, Topology};
 use shelfsync_telemetry::chain;
 
 pub use batch::{CommandBatcher, EncodedBatch, EncodedBatcher, EncodedCommand, batch_overhead};
+pub use commands::{
+    CommandPublishError, CommandPublisher, CommandPublisherConfig, Counts as CommandCounts,
+};
 pub use publish::{Failure, PublishFailed, Publisher};
 pub use subjects::{Partition, Subjects, partition_of, token};
 
