@@ -195,9 +195,9 @@ impl Target {
         }
     }
 
-    /// Waits until everything queued for this system is applied: the command work queue is
-    /// empty (storage acks a message only after its outbox is published and trimmed), then,
-    /// for storage, checks the outboxes too.
+    /// Waits until everything queued for this system is applied: the command stream is empty
+    /// (storage, like the references, purges only what it applied), then, for storage, checks
+    /// the outboxes too.
     pub async fn wait_settled(&self, world: &World, timeout: Duration) -> anyhow::Result<()> {
         let started = Instant::now();
         let check_every = Duration::from_secs(2);

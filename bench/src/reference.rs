@@ -1,13 +1,14 @@
 //! The two references a re-import is measured against, each run in a child process on the same
 //! servers, consuming the same command batches (ingest publishes the same dump under another
-//! prefix) with the same consumer shape as storage — one ordered durable consumer per partition,
-//! one message in flight — and the same Redis connection type and key layout:
+//! prefix) the way storage consumes them — `shelfsync_bus::intake`: two consumers per partition
+//! without acks, the messages applied in stream order one at a time, what was applied purged — and
+//! with the same Redis connection type and key layout:
 //!
 //! - **floor**: only what cannot be avoided — decode the batch, read the records it touches, their
 //!   generations inside (one pipelined round trip: `HMGET` records per place, and the records of a
 //!   swept place for its census), then append the ids a full import carried to its
 //!   touched set (one `APPEND` per place, as storage does) and write the records that do not
-//!   exist yet, in one `MULTI`, then ack. No merge, no change detection, no outbox.
+//!   exist yet, in one `MULTI`. No merge, no change detection, no outbox.
 //! - **naive**: what shelfsync replaces — rewrite every record (its generation inside), and
 //!   republish every record as a change, at every import.
 //!
@@ -19,10 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use async_nats::jetstream::{self, AckKind, consumer::pull};
+use async_nats::jetstream;
 use futures::StreamExt;
 use prost::Message;
 use redis::Value;
+use shelfsync_bus::intake::{Intake, Up};
 use shelfsync_bus::{Partition, Publisher, Subjects, command_bytes_limit};
 use shelfsync_proto::{Change, ChangeBatch, ChangeKind, Command, CommandBatch, Record, msg_type};
 use shelfsync_settings::Settings;
@@ -112,31 +114,30 @@ pub async fn run(kind: RefKind, settings: Settings) -> anyhow::Result<()> {
 async fn partition_loop(ctx: Arc<Ctx>, partition: Partition) -> anyhow::Result<()> {
     let stream = ctx.js.get_stream(ctx.subjects.cmd_stream()).await?;
     let name = format!("{}-p{}", ctx.kind.name(), partition.0);
-    // Storage's consumer, field for field (services/storage/src/worker.rs).
-    let config = pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: ctx.subjects.cmd(partition),
-        ack_policy: jetstream::consumer::AckPolicy::Explicit,
-        ack_wait: ctx.settings.storage.ack_wait,
-        max_ack_pending: 1,
-        max_deliver: -1,
-        ..Default::default()
-    };
-    let consumer = stream.get_or_create_consumer(&name, config).await?;
-    let mut messages = consumer.messages().await?;
+    let names = [name.clone(), format!("{name}-sweeps")];
+    let subjects = [ctx.subjects.cmd(partition), ctx.subjects.cmd_sweep(partition)];
+    let mut intake = Intake::bind(&stream, names, subjects, 0).await?;
     let mut publisher = Publisher::new(ctx.js.clone(), ctx.settings.nats.max_inflight);
     let mut seq = 0u64;
-    while let Some(msg) = messages.next().await {
-        let msg = match msg {
-            Ok(m) => m,
-            Err(e) => {
-                eprintln!("{} p{}: pull failed: {e}", ctx.kind.name(), partition.0);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+    loop {
+        if intake.purge_due() {
+            intake.purge(&stream).await?;
+        }
+        if !intake.has_pending() {
+            intake.next().await?;
+        }
+        intake.take_ready(64);
+        let up = intake.up(&stream).await?;
+        if up == Up::Wait {
+            intake.next().await?;
+            continue;
+        }
+        // One message at a time, as storage with read_ahead 0.
+        let Some(pulled) = intake.group(up).first() else { continue };
+        let applied = pulled.seq;
         seq += 1;
         // The same wire as storage's: ingest sends the batches compressed.
+        let msg = &pulled.msg;
         let result = match shelfsync_bus::encoding::decode(msg.headers.as_ref(), &msg.payload) {
             Err(e) => Err(anyhow::Error::from(e)),
             Ok(plain) => match ctx.kind {
@@ -145,17 +146,15 @@ async fn partition_loop(ctx: Arc<Ctx>, partition: Partition) -> anyhow::Result<(
             },
         };
         match result {
-            Ok(()) => {
-                let _ = msg.ack().await;
-            }
+            Ok(()) => intake.done(up, 1, applied),
             Err(e) => {
+                // Tried again in place, as storage does.
                 eprintln!("{} p{}: batch failed: {e:#}", ctx.kind.name(), partition.0);
                 ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
-                let _ = msg.ack_with(AckKind::Nak(Some(Duration::from_millis(200)))).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     }
-    Ok(())
 }
 
 /// Commands of a batch by place, in order.

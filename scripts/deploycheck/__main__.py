@@ -10,6 +10,7 @@ from .k8s import check_k8s
 from .live import check_live
 from .monitoring import check_monitoring
 from .nats_checks import check_nats
+from .redisacl import check_redis_acl
 from .settings_schema import check_settings_files
 
 
@@ -17,7 +18,7 @@ def main(argv):
     live = "--no-live" not in argv and os.environ.get("SHELFSYNC_VALIDATE_LIVE", "1") != "0"
     print(f"shelfsync deployment validation ({core.ROOT})", flush=True)
     checks = [("Dockerfile", check_dockerfile), ("settings", check_settings_files),
-              ("compose", check_compose), ("NATS", check_nats), ("k8s", check_k8s),
+              ("compose", check_compose), ("NATS", check_nats), ("Redis ACL", check_redis_acl), ("k8s", check_k8s),
               ("monitoring", check_monitoring)]
     if live:
         checks.append(("live", check_live))

@@ -112,6 +112,8 @@ def check_compose():
             errors.append(f"{name}: NATS user {user} has no password in the nats service")
         elif env.get("SHELFSYNC__NATS__PASSWORD") != nats_env[pw_var]:
             errors.append(f"{name}: SHELFSYNC__NATS__PASSWORD ({env.get('SHELFSYNC__NATS__PASSWORD')}) differs from the server's {pw_var} ({nats_env[pw_var]})")
+        if env.get("SHELFSYNC__NATS__INBOX_PREFIX") != f"_INBOX_{user}":
+            errors.append(f"{name}: SHELFSYNC__NATS__INBOX_PREFIX must be _INBOX_{user} (the only inboxes its NATS user may read)")
         if name == "setup":
             if user != "admin" or svc.get("restart") != "no":
                 errors.append("setup: one-shot (restart: \"no\") as NATS user admin")
@@ -244,7 +246,22 @@ def check_compose_push_tokens(doc):
             errors.append(f"secret {source}: its default file {default or '?'} does not exist")
         elif "DEV ONLY" not in (ROOT / "compose" / default).read_text():
             errors.append(f"secret {source}: the committed default file must say it is DEV ONLY")
+    readers = {"storage", "aggregator", "recommender"}
     for name, svc in services.items():
-        if name != "ingest" and svc.get("secrets"):
-            errors.append(f"{name}: mounts secrets; only ingest reads push tokens")
-    check("compose: push tokens are secret files mounted into ingest only (dev defaults marked)", errors)
+        names = {(s if isinstance(s, str) else s.get("source")) for s in svc.get("secrets", []) or []}
+        push = {n for n in names if n.endswith("-push")}
+        if name != "ingest" and push:
+            errors.append(f"{name}: mounts push tokens {sorted(push)}; only ingest reads them")
+        if name in readers:
+            env = svc.get("environment", {}) or {}
+            key = f"SHELFSYNC__{name.upper()}__READ_TOKENS_FILE"
+            if "read-api" not in names or env.get(key) != "/run/secrets/read-api":
+                errors.append(f"{name}: its read API's tokens: the secret read-api and {key}=/run/secrets/read-api")
+        elif "read-api" in names:
+            errors.append(f"{name}: mounts the read API tokens, which only storage, aggregator and recommender check")
+    spec = secrets.get("read-api", {})
+    default = str(spec.get("file", "")).split(":-")[-1].rstrip("}")
+    if not default or not (ROOT / "compose" / default).is_file() or "DEV ONLY" not in (ROOT / "compose" / default).read_text():
+        errors.append("secret read-api: a committed default file that says it is DEV ONLY")
+    check("compose: push tokens are secret files mounted into ingest only, read API tokens into the read APIs "
+          "(dev defaults marked)", errors)

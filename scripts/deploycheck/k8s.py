@@ -349,6 +349,8 @@ def k8s_policy(docs, overlay):
             errors.append(f"{name}: {listen}=0.0.0.0:{port}")
         if env.get("SHELFSYNC__NATS__USER", {}).get("value") != user:
             errors.append(f"{name}: NATS user {user}")
+        if env.get("SHELFSYNC__NATS__INBOX_PREFIX", {}).get("value") != f"_INBOX_{user}":
+            errors.append(f"{name}: SHELFSYNC__NATS__INBOX_PREFIX=_INBOX_{user} (the only inboxes its NATS user may read)")
         if env.get("OTEL_SERVICE_NAME", {}).get("value") != binary:
             errors.append(f"{name}: OTEL_SERVICE_NAME={binary}")
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
@@ -372,7 +374,8 @@ def k8s_policy(docs, overlay):
             setup = next((i for i in pod.get("initContainers", []) if i["name"] == "setup"), None)
             ienv = {e["name"]: e for e in (setup or {}).get("env", [])}
             if not setup or setup.get("command") != ["/usr/local/bin/shelfsync", "setup"] \
-                    or ienv.get("SHELFSYNC__NATS__USER", {}).get("value") != "admin":
+                    or ienv.get("SHELFSYNC__NATS__USER", {}).get("value") != "admin" \
+                    or ienv.get("SHELFSYNC__NATS__INBOX_PREFIX", {}).get("value") != "_INBOX_admin":
                 errors.append("storage: an init container `setup` running `shelfsync setup` as NATS user admin")
     for comp in SERVICES:
         kinds = {"storage": "StatefulSet"}.get(comp, "Deployment")

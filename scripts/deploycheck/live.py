@@ -15,6 +15,7 @@ import yaml
 from .compose import COMPOSE_CONFIG
 from .core import NATS_SERVER, ROOT, SERVICES, TMP, check, free_port, run, skip, tool
 from .nats_checks import nats_env_defaults
+from .redisacl import acl_env
 from .settings_schema import PENDING_KEYS, SCHEMA
 
 
@@ -106,15 +107,24 @@ def check_live():
         return ":".join(str(files[f]) for f in COMPOSE_CONFIG[name])
 
     tokens = {p: first_token(ROOT / f"compose/secrets/{p}-push.dev-tokens") for p in ("flowers", "flowers-prices")}
+    redis_pw = acl_env()
     base_env = {
         "SHELFSYNC_CONFIG": config_of("setup"),
         "SHELFSYNC__NATS__URL": f"nats://127.0.0.1:{nport}",
-        "SHELFSYNC__REDIS__URL": f"redis://:live-redis@127.0.0.1:{rport}",
         "RUST_LOG": "info",
     }
+    # Each workload logs in to Redis as its own ACL user (the CLI as `cli`); the validator and
+    # the recommender use no Redis and get no credentials.
+    redis_user = {"admin": "cli", "storage": "storage", "ingest": "ingest", "aggregator": "aggregator"}
+
+    def redis_url(user):
+        ru = redis_user.get(user)
+        cred = f"{ru}:{redis_pw[f'REDIS_{ru.upper()}_PASSWORD']}@" if ru else ""
+        return f"redis://{cred}127.0.0.1:{rport}"
 
     def env_for(user, extra=None):
-        return {**base_env, "SHELFSYNC__NATS__USER": user,
+        return {**base_env, "SHELFSYNC__REDIS__URL": redis_url(user),
+                "SHELFSYNC__NATS__USER": user, "SHELFSYNC__NATS__INBOX_PREFIX": f"_INBOX_{user}",
                 "SHELFSYNC__NATS__PASSWORD": env_pw[f"NATS_{user.upper()}_PASSWORD"], **(extra or {})}
 
     def cli(args, timeout=90):
@@ -125,8 +135,10 @@ def check_live():
 
     try:
         start("nats", [NATS_SERVER, "-c", str(conf), "-a", "127.0.0.1", "-p", str(nport), "-m", str(free_port())], env_pw)
-        start("redis", [redis, "--port", str(rport), "--bind", "127.0.0.1", "--requirepass", "live-redis",
-                        "--save", "", "--appendonly", "no", "--dir", str(TMP)])
+        # Redis with the shipped ACL users (compose/redis/start-redis.sh renders users.acl).
+        start("redis", ["sh", str(ROOT / "compose/redis/start-redis.sh"), "--port", str(rport), "--bind", "127.0.0.1",
+                        "--save", "", "--appendonly", "no", "--dir", str(TMP)],
+              {**redis_pw, "REDIS_ACL_FILE": str(TMP / "live-users.acl")})
         deadline = time.time() + 15
         for port in (nport, rport):
             while True:
@@ -242,10 +254,10 @@ def check_live():
     for name in procs:
         text = (logs / f"{name}.log").read_text(errors="replace")
         for line in text.splitlines():
-            if "Violation" in line or "permissions violation" in line.lower():
+            if "Violation" in line or "permissions violation" in line.lower() or "NOPERM" in line:
                 errors.append(f"{name}: {line.strip()[:300]}")
     check(f"live run ({bins}): setup, every service, push import ({', '.join(summary) or '?'}), keyframe "
-          "bootstrap, CLI, no NATS permission violation", errors)
+          "bootstrap, CLI, every workload as its own Redis ACL user, no NATS permission violation, no NOPERM", errors)
     for n in notes:
         print(n, flush=True)
     if errors:

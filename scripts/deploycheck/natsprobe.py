@@ -103,6 +103,25 @@ KF_READ = [f"$JS.API.STREAM.INFO.{KF}", f"$JS.API.DIRECT.GET.{KF}",
            # a feed's drift repair re-reads a place's changes
            f"$JS.API.STREAM.MSG.GET.{CHG}"]
 REC = "recommender-1f2e-18a7c3b2d4e5f607-0"
+STREAMS = (CMD, CHG, KF, AGG, REJ)
+# Stream configuration has one writer, admin (`shelfsync setup`): nobody else may create, update
+# or delete a stream; the services that verify it at start may read it.
+STREAM_WRITES = [f"$JS.API.STREAM.{op}.{s}" for s in STREAMS for op in ("CREATE", "UPDATE", "DELETE")]
+STREAM_INFOS = [f"$JS.API.STREAM.INFO.{s}" for s in STREAMS]
+# Operator-only requests: only admin may publish them.
+CTL_ADMIN = [f"{PREFIX}.ctl.rebase", f"{PREFIX}.ctl.redrive"]
+READS = [f"{PREFIX}.read.get", f"{PREFIX}.read.batch", f"{PREFIX}.read.place", f"{PREFIX}.read.dead"]
+
+
+def inbox(user):
+    """The reply inboxes of `user` (settings nats.inbox_prefix = _INBOX_<user>)."""
+    return f"_INBOX_{user}"
+
+
+def other_inboxes(user):
+    """Inboxes `user` must not be able to listen on: the shared default and every other user's."""
+    return ["_INBOX.>", "_INBOX.x.y", *(f"{inbox(u)}.>" for u in NATS_USERS if u != user)]
+
 
 # What every user must be able to do (from the code: shared/bus, shared/feed, services/*), and
 # what it must not.
@@ -110,67 +129,75 @@ MATRIX = {
     "admin": dict(
         pub_ok=[f"$JS.API.STREAM.CREATE.{CMD}", f"$JS.API.STREAM.UPDATE.{CHG}", f"$JS.API.STREAM.INFO.{KF}",
                 f"$JS.API.STREAM.DELETE.{AGG}", f"$JS.API.CONSUMER.CREATE.{CHG}",
-                f"$JS.API.CONSUMER.INFO.{CMD}.storage-p0", f"{PREFIX}.cmd.0", f"{PREFIX}.rejects.7.0",
-                f"{PREFIX}.ctl.keyframe", f"{PREFIX}.read.get", f"{PREFIX}.recommend.top"],
+                f"$JS.API.CONSUMER.INFO.{CMD}.storage-p0", f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.0.sweep",
+                f"{PREFIX}.rejects.7.0", f"{PREFIX}.ctl.keyframe", *CTL_ADMIN, *READS, f"{PREFIX}.read.sweeps",
+                f"{PREFIX}.recommend.top"],
         pub_no=[f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.aggregates.cards.north"],
-        sub_ok=["_INBOX.x.y", f"{PREFIX}.changes.>", f"{PREFIX}.rejects.>"],
-        sub_no=["$JS.API.>", ">"],
+        sub_ok=[f"{inbox('admin')}.x.y", f"{PREFIX}.changes.>", f"{PREFIX}.rejects.>"],
+        sub_no=["$JS.API.>", ">", *other_inboxes("admin")],
     ),
     "ingest": dict(
-        pub_ok=["$JS.API.INFO", f"$JS.API.STREAM.INFO.{CMD}", f"$JS.API.STREAM.INFO.{REJ}",
-                f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.63", f"{PREFIX}.cmd.63.sweep", f"{PREFIX}.rejects.7.0"],
+        pub_ok=[f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.63", f"{PREFIX}.cmd.63.sweep", f"{PREFIX}.rejects.7.0",
+                f"{PREFIX}.read.sweeps"],
         pub_no=[f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.aggregates.cards.north",
-                f"{PREFIX}.ctl.keyframe", f"$JS.API.STREAM.CREATE.{CMD}", f"$JS.API.STREAM.DELETE.{CMD}",
+                f"{PREFIX}.ctl.keyframe", *CTL_ADMIN, *READS, *STREAM_WRITES, *STREAM_INFOS, "$JS.API.INFO",
                 f"$JS.API.STREAM.PURGE.{CMD}", f"$JS.API.CONSUMER.CREATE.{CMD}.storage-p0.{PREFIX}.cmd.0",
                 "_INBOX.unsolicited"],
-        sub_ok=["_INBOX.x.y"],
-        sub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.changes.>"],
+        sub_ok=[f"{inbox('ingest')}.x.y"],
+        sub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.changes.>", *other_inboxes("ingest")],
     ),
     "storage": dict(
-        pub_ok=["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{s}" for s in (CMD, CHG, KF, AGG, REJ) for op in ("INFO", "UPDATE")),
-                *consumer_api(CMD, "storage-p5", None), f"$JS.API.STREAM.PURGE.{KF}",
-                f"$JS.API.DIRECT.GET.{CMD}",  # reading ahead of the delivered command message
+        # Its consumers of CMD go without acks: it purges what it applied, and asks the stream
+        # what comes next on a subject (a direct get).
+        pub_ok=[*STREAM_INFOS, *consumer_api(CMD, "storage-p5-r0-x", f"{PREFIX}.cmd.5")[:3],
+                *consumer_api(CMD, "storage-p5-r0-x-sweeps", f"{PREFIX}.cmd.5.sweep")[:3],
+                f"$JS.API.CONSUMER.DELETE.{CMD}.storage-p5-r0-x", f"$JS.API.STREAM.PURGE.{CMD}",
+                f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.DIRECT.GET.{CMD}",
                 f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42"],
-        pub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.aggregates.cards.north", f"$JS.API.STREAM.CREATE.{CMD}",
-                f"$JS.API.STREAM.DELETE.{CHG}", f"$JS.API.STREAM.PURGE.{CHG}",
-                f"$JS.API.CONSUMER.DELETE.{CMD}.storage-p5",
+        pub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.cmd.5.sweep", f"{PREFIX}.aggregates.cards.north",
+                f"{PREFIX}.ctl.keyframe", *CTL_ADMIN, *READS, *STREAM_WRITES, "$JS.API.INFO",
+                f"$JS.API.STREAM.PURGE.{CHG}", f"$JS.ACK.{CMD}.storage-p5-r0-x.{ACK}",
                 f"$JS.API.CONSUMER.CREATE.{CMD}.storage-p5.{PREFIX}.changes.>",
+                f"$JS.API.CONSUMER.CREATE.{CMD}.storage-p5",  # a consumer without a filter
                 *consumer_takeover(CHG, "validator", CHG_FILTER), "_INBOX.unsolicited"],
-        sub_ok=["_INBOX.x.y", f"{PREFIX}.ctl.keyframe", f"{PREFIX}.read.get"],
-        sub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.changes.>", f"{PREFIX}.recommend.top"],
+        sub_ok=[f"{inbox('storage')}.x.y", f"{PREFIX}.ctl.keyframe", f"{PREFIX}.ctl.rebase", f"{PREFIX}.read.get"],
+        sub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.changes.>", f"{PREFIX}.recommend.top", *other_inboxes("storage")],
     ),
     "validator": dict(
-        pub_ok=["$JS.API.INFO", f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, "validator", CHG_FILTER),
+        pub_ok=[f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, "validator", CHG_FILTER),
                 *KF_READ, f"{PREFIX}.cmd.17"],
         pub_no=[f"{PREFIX}.cmd.17.sweep", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42",
-                f"{PREFIX}.aggregates.cards.north", f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
-                *consumer_takeover(CHG, "aggregator", CHG_FILTER), *consumer_takeover(CMD, "storage-p0", None),
-                f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.STREAM.CREATE.{CHG}", "_INBOX.unsolicited"],
-        sub_ok=["_INBOX.x.y"],
-        sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get"],
+                f"{PREFIX}.aggregates.cards.north", f"{PREFIX}.ctl.keyframe", *CTL_ADMIN, *READS,
+                f"{PREFIX}.read.sweeps", *STREAM_WRITES, f"$JS.API.STREAM.INFO.{CMD}",
+                f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
+                *consumer_takeover(CHG, "aggregator", CHG_FILTER), *consumer_takeover(CMD, "storage-p0-r0-x", f"{PREFIX}.cmd.0"),
+                f"$JS.API.STREAM.PURGE.{KF}", "_INBOX.unsolicited"],
+        sub_ok=[f"{inbox('validator')}.x.y"],
+        sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get", *other_inboxes("validator")],
     ),
     "aggregator": dict(
-        pub_ok=["$JS.API.INFO", *(f"$JS.API.STREAM.{op}.{s}" for s in (CMD, CHG, KF, AGG, REJ) for op in ("INFO", "UPDATE")),
-                *consumer_api(CHG, "aggregator", CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator",
+        pub_ok=[*STREAM_INFOS, *consumer_api(CHG, "aggregator", CHG_FILTER),
+                f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator",
                 *KF_READ, f"{PREFIX}.ctl.keyframe", f"{PREFIX}.aggregates.cards.north",
                 f"{PREFIX}.aggregates.categories.7.42"],
-        pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
+        pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.0.sweep", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
+                *CTL_ADMIN, *READS, f"{PREFIX}.read.sweeps", *STREAM_WRITES, "$JS.API.INFO",
                 *consumer_takeover(CHG, "validator", CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
-                f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.STREAM.CREATE.{CMD}", f"$JS.API.STREAM.DELETE.{CHG}",
-                "_INBOX.unsolicited"],
-        sub_ok=["_INBOX.x.y"],
-        sub_no=[f"{PREFIX}.changes.>"],
+                f"$JS.API.STREAM.PURGE.{KF}", "_INBOX.unsolicited"],
+        sub_ok=[f"{inbox('aggregator')}.x.y"],
+        sub_no=[f"{PREFIX}.changes.>", *other_inboxes("aggregator")],
     ),
     "recommender": dict(
-        pub_ok=["$JS.API.INFO", f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, REC, CHG_FILTER),
+        pub_ok=[f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, REC, CHG_FILTER),
                 f"$JS.API.CONSUMER.DELETE.{CHG}.{REC}", *KF_READ, f"{PREFIX}.ctl.keyframe"],
-        pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
-                f"{PREFIX}.aggregates.cards.north", *consumer_takeover(CHG, "validator", CHG_FILTER),
+        pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.0.sweep", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
+                f"{PREFIX}.aggregates.cards.north", *CTL_ADMIN, *READS, *STREAM_WRITES,
+                *consumer_takeover(CHG, "validator", CHG_FILTER),
                 *consumer_takeover(CHG, "aggregator", CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
-                f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator", *consumer_takeover(CMD, "storage-p0", None),
+                f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator", *consumer_takeover(CMD, "storage-p0-r0-x", f"{PREFIX}.cmd.0"),
                 f"$JS.API.STREAM.PURGE.{KF}", "_INBOX.unsolicited"],
-        sub_ok=["_INBOX.x.y", (f"{PREFIX}.recommend.top", "recommender")],
-        sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get"],
+        sub_ok=[f"{inbox('recommender')}.x.y", (f"{PREFIX}.recommend.top", "recommender")],
+        sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get", *other_inboxes("recommender")],
     ),
 }
 
@@ -237,17 +264,17 @@ def probe_permissions(label, conf_path, env):
                                           ("recommender", f"{PREFIX}.recommend.top", "recommender")]:
             srv, cli = Raw(port, responder, passwords[responder]), Raw(port, "admin", passwords["admin"])
             srv.sub(subject, "1", queue)
-            cli.sub("_INBOX.validate.>", "1")
-            cli.pub(subject, reply="_INBOX.validate.r1")
+            cli.sub(f"{inbox('admin')}.validate.>", "1")
+            cli.pub(subject, reply=f"{inbox('admin')}.validate.r1")
             srv.exchange("")
             replies = [r for (_, r) in srv.msgs if r]
-            if replies != ["_INBOX.validate.r1"]:
+            if replies != [f"{inbox('admin')}.validate.r1"]:
                 errors.append(f"{responder} did not receive the request on {subject} ({srv.msgs})")
-            elif not srv.pub("_INBOX.validate.r1"):
+            elif not srv.pub(f"{inbox('admin')}.validate.r1"):
                 errors.append(f"{responder} may not reply to a request it received (allow_responses)")
             else:
                 cli.exchange("")
-                if not any(s == "_INBOX.validate.r1" for (s, _) in cli.msgs):
+                if not any(s == f"{inbox('admin')}.validate.r1" for (s, _) in cli.msgs):
                     errors.append(f"the requester did not get {responder}'s reply")
             srv.close()
             cli.close()

@@ -62,8 +62,19 @@ pub struct Importing {
 
 impl Importing {
     pub async fn start(partners: Vec<PartnerSettings>) -> Importing {
-        let Stack { h, storage, settings, env } =
-            Stack::start_with(|s| s.partners = partners).await;
+        Importing::start_with(partners, |_| {}).await
+    }
+
+    /// As [`Importing::start`], with `tune` applied to the settings too.
+    pub async fn start_with(
+        partners: Vec<PartnerSettings>,
+        tune: impl FnOnce(&mut Settings),
+    ) -> Importing {
+        let Stack { h, storage, settings, env } = Stack::start_with(|s| {
+            s.partners = partners;
+            tune(s);
+        })
+        .await;
         let importer = Importer::connect(ImportConfig::from(&settings)).await.expect("importer");
         let dir = tempfile::tempdir().expect("tmp");
         Importing { h, storage, importer, settings, dir, env }

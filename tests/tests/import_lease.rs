@@ -75,7 +75,7 @@ fn feed(prefix: &str, shared: usize, own: usize) -> (String, String) {
 
 impl Lab {
     fn lease_key(&self) -> String {
-        format!("{}:ingest:flowers:lease", self.settings.redis.namespace)
+        format!("{{{}:ingest:flowers}}:lease", self.settings.redis.namespace)
     }
 
     async fn lease(&self) -> Option<String> {

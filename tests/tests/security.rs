@@ -61,6 +61,8 @@ fn as_user(settings: &Settings, user: &str) -> Settings {
     let mut s = settings.clone();
     s.nats.user = Some(user.into());
     s.nats.password = Some(password(user));
+    // The only inboxes the user may subscribe to.
+    s.nats.inbox_prefix = format!("_INBOX_{user}");
     s
 }
 
@@ -70,6 +72,7 @@ async fn client_of(nats: &NatsServer, user: &str) -> (async_nats::Client, Arc<Mu
     let sink = errors.clone();
     let client = async_nats::ConnectOptions::new()
         .user_and_password(user.into(), password(user))
+        .custom_inbox_prefix(format!("_INBOX_{user}"))
         .event_callback(move |event| {
             let sink = sink.clone();
             async move {
@@ -570,7 +573,10 @@ async fn the_push_endpoint_publishes_nothing_without_the_partners_token() {
 /// stores nothing twice and trips no permission.
 #[tokio::test]
 async fn storage_reads_its_subjects_back_under_its_own_permissions() {
-    let (env, base) = authorized_servers().await;
+    let (env, mut base) = authorized_servers().await;
+    // Storage verifies the streams against its settings: setup writes the
+    // same one second dedup window.
+    base.nats.duplicate_window = Duration::from_secs(1);
     let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
     for i in 0..5 {
         h.send(vec![patch(BRAND, 1, &format!("sku-{i}"), &product("Roses", 100, 1), 0)])
@@ -582,13 +588,354 @@ async fn storage_reads_its_subjects_back_under_its_own_permissions() {
     let user = ("SHELFSYNC__NATS__USER", "storage");
     let pw = password("storage");
     let pass = ("SHELFSYNC__NATS__PASSWORD", pw.as_str());
-    let doomed_env = [window, user, pass, ("SHELFSYNC_FAILPOINT", "after_outbox_publish@1")];
+    let inbox = ("SHELFSYNC__NATS__INBOX_PREFIX", "_INBOX_storage");
+    let doomed_env = [window, user, pass, inbox, ("SHELFSYNC_FAILPOINT", "after_outbox_publish@1")];
     let mut doomed = StorageProcess::start(&storage, &doomed_env).expect("storage");
     assert!(!doomed.wait_exit(Duration::from_secs(30)).await.expect("aborts").success());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _storage = StorageProcess::start(&storage, &[window, user, pass]).expect("storage again");
+    let _storage =
+        StorageProcess::start(&storage, &[window, user, pass, inbox]).expect("storage again");
     h.wait_settled().await;
     assert_eq!(h.changes().await.expect("changes").len(), 5, "each change once");
     let log = std::fs::read_to_string(env.nats.log_path()).expect("nats log");
     assert!(!log.contains("Violation"), "no permission violation: {log}");
+}
+
+// --- Least privilege: what each service must not do is refused -------------
+
+/// A `js` whose API calls time out quickly (a refused one gets no answer).
+fn quick_js(client: &async_nats::Client) -> jetstream::Context {
+    jetstream::ContextBuilder::new().timeout(Duration::from_secs(1)).build(client.clone())
+}
+
+/// Each shipped NATS user (compose/nats/nats.conf), tried at what is not
+/// its job: the server refuses every one.
+#[tokio::test]
+async fn nats_users_are_refused_what_is_not_their_job() {
+    let (env, base) = authorized_servers().await;
+    let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
+    let subjects = &h.subjects;
+    let cmd0 = subjects.cmd(Partition(0));
+    let sweep0 = subjects.cmd_for(Partition(0), true);
+    let configs = shelfsync_bus::stream_configs(&base.nats, base.topology());
+
+    // Storage and the aggregator may read the streams' configuration, and
+    // change none of it: `shelfsync setup` (admin) is its one writer.
+    for user in ["storage", "aggregator"] {
+        let (client, errors) = client_of(&env.nats, user).await;
+        let js = quick_js(&client);
+        let mut wider = configs[0].clone();
+        wider.max_bytes *= 2;
+        assert!(js.update_stream(&wider).await.is_err(), "{user} updated a stream");
+        violation(&errors, "publish", &format!("$JS.API.STREAM.UPDATE.{}", wider.name)).await;
+        assert!(js.delete_stream(&configs[1].name).await.is_err(), "{user} deleted a stream");
+        violation(&errors, "publish", &format!("$JS.API.STREAM.DELETE.{}", configs[1].name)).await;
+        let info =
+            js.get_stream(&configs[0].name).await.expect("stream info").cached_info().clone();
+        assert_eq!(info.config.max_bytes, configs[0].max_bytes, "{user} changed nothing");
+    }
+    // Operator-only requests, sweeps, commands, changes: each by the wrong user.
+    let refused: [(&str, String); 10] = [
+        ("validator", sweep0.clone()),
+        ("validator", subjects.ctl_rebase()),
+        ("validator", subjects.read("sweeps")),
+        ("aggregator", sweep0.clone()),
+        ("aggregator", subjects.ctl_redrive()),
+        ("recommender", subjects.ctl_rebase()),
+        ("recommender", subjects.read("get")),
+        ("ingest", format!("{}.changes.7.1", h.settings.nats.prefix)),
+        ("ingest", subjects.ctl_rebase()),
+        ("storage", cmd0.clone()),
+    ];
+    for (user, subject) in refused {
+        let (client, errors) = client_of(&env.nats, user).await;
+        client.publish(subject.clone(), "forged".into()).await.expect("local publish");
+        client.flush().await.expect("flush");
+        violation(&errors, "publish", &subject).await;
+    }
+    // Nobody listens on another service's inboxes, nor on the shared one.
+    for (user, inbox) in [("recommender", "_INBOX_storage.>"), ("ingest", "_INBOX.>")] {
+        let (client, errors) = client_of(&env.nats, user).await;
+        let _sub = client.subscribe(inbox.to_string()).await.expect("local subscribe");
+        violation(&errors, "subscription", inbox).await;
+    }
+    let mut stream = h.js.get_stream(h.subjects.cmd_stream()).await.expect("stream");
+    assert_eq!(stream.info().await.expect("info").state.last_sequence, 0, "no command got in");
+}
+
+/// Storage and the aggregator verify the streams at start (their users may
+/// not write them): on settings `shelfsync setup` did not apply, each
+/// refuses to start with every difference named, and writes nothing.
+#[tokio::test]
+async fn services_refuse_to_start_on_streams_that_setup_did_not_shape() {
+    let (_env, base) = authorized_servers().await;
+    let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up");
+    let mut changed = base.clone();
+    changed.nats.cmd_max_bytes = 2 << 30;
+    changed.nats.changes_max_age = Duration::from_secs(3600);
+    let storage = shelfsync_storage::App::build(as_user(&changed, "storage")).await;
+    let aggregator = shelfsync_aggregator::App::build(as_user(&changed, "aggregator")).await;
+    for (who, built) in [("storage", storage.err()), ("aggregator", aggregator.err())] {
+        let error = format!("{:#}", built.unwrap_or_else(|| panic!("{who} started")));
+        for part in
+            ["max_bytes is 1073741824, the settings say 2147483648", "max_age", "shelfsync setup"]
+        {
+            assert!(error.contains(part), "{who}: {part:?} missing from {error}");
+        }
+    }
+    let mut cmd = h.js.get_stream(h.subjects.cmd_stream()).await.expect("stream");
+    assert_eq!(cmd.info().await.expect("info").config.max_bytes, 1 << 30, "nothing written");
+    // With the settings setup applied, both start.
+    let _storage = InProcessStorage::start(as_user(&base, "storage")).await.expect("storage");
+}
+
+/// compose/redis/users.acl rendered with `password(...)`s, as
+/// `start-redis.sh` renders it: `(user, rules)`.
+fn shipped_acl() -> Vec<(String, Vec<String>)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../compose/redis/users.acl");
+    let text = std::fs::read_to_string(path).expect("compose/redis/users.acl");
+    text.lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|line| {
+            let mut words = line.split_whitespace().map(|w| {
+                match w.strip_prefix(">${REDIS_").and_then(|v| v.strip_suffix("_PASSWORD}")) {
+                    Some(user) => {
+                        format!(">{}", password(&format!("redis-{}", user.to_lowercase())))
+                    }
+                    None => w.to_string(),
+                }
+            });
+            assert_eq!(words.next().as_deref(), Some("user"), "{line}");
+            let name = words.next().expect("a user name");
+            (name, words.collect())
+        })
+        .collect()
+}
+
+/// A Redis with the shipped ACL users (the default user, off, last).
+async fn redis_with_shipped_acl() -> RedisServer {
+    let redis = RedisServer::start().await.expect("redis");
+    let client = redis::Client::open(redis.url()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect");
+    let mut users = shipped_acl();
+    users.sort_by_key(|(name, _)| name == "default");
+    for (name, rules) in users {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(&name)
+            .arg(rules)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("ACL SETUSER {name}: {e}"));
+    }
+    redis
+}
+
+fn redis_user_url(redis: &RedisServer, user: &str) -> String {
+    redis_url(redis, user, &password(&format!("redis-{user}")))
+}
+
+async fn redis_as(redis: &RedisServer, user: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(redis_user_url(redis, user)).expect("client");
+    client.get_multiplexed_async_connection().await.expect("log in")
+}
+
+async fn assert_noperm(conn: &mut redis::aio::MultiplexedConnection, who: &str, cmd: &[&str]) {
+    let mut c = redis::cmd(cmd[0]);
+    for a in &cmd[1..] {
+        c.arg(*a);
+    }
+    let result: redis::RedisResult<redis::Value> = c.query_async(conn).await;
+    let err = result.expect_err(&format!("{who} ran {cmd:?}"));
+    assert!(err.to_string().to_uppercase().contains("NOPERM"), "{who} {cmd:?}: {err}");
+}
+
+/// Storage, ingest and the aggregator each run as their own Redis ACL user
+/// of compose/redis/users.acl (namespace `ss`, as shipped), a full import
+/// goes through, and each user is refused what is not its own.
+#[tokio::test]
+async fn each_service_works_as_its_redis_user_and_is_refused_the_rest() {
+    let prefix = unique_name();
+    let (nats, redis) =
+        tokio::try_join!(NatsServer::start(), async { Ok(redis_with_shipped_acl().await) })
+            .expect("servers");
+    let env = TestEnv { nats, redis, namespace: "ss".into(), prefix };
+    let mut base = storage_settings(&env);
+    base.partners = Settings::from_toml(&format!(
+        "[[partners]]\nname = \"flowers\"\nbrand_id = {BRAND}\nkind = \"full\"\n"
+    ))
+    .expect("partner")
+    .partners;
+    let as_redis = |user: &str| {
+        let mut s = base.clone();
+        s.redis.url = redis_user_url(&env.redis, user);
+        s
+    };
+    let h = Harness::connect(as_redis("storage")).await.expect("harness (storage's keys)");
+    let _storage = InProcessStorage::start(as_redis("storage")).await.expect("storage");
+    let importer =
+        shelfsync_ingest::Importer::connect((&as_redis("ingest")).into()).await.expect("ingest");
+    let dir = tempfile::tempdir().expect("dir");
+    let feed = dir.path().join("feed.json");
+    let items: Vec<String> = (0..5)
+        .map(|i| format!(r#"{{"id":"sku-{i}","price":100,"stock":1,"category":"c","title":"t"}}"#))
+        .collect();
+    std::fs::write(
+        &feed,
+        format!(
+            r#"{{"brand_id":{BRAND},"places":[{{"place_id":1,"items":[{}]}}]}}"#,
+            items.join(",")
+        ),
+    )
+    .expect("feed");
+    let partner = base.partner("flowers").expect("partner").clone();
+    let report = importer
+        .import(&partner, shelfsync_ingest::Source::File(feed), None)
+        .await
+        .expect("a full import as `ingest`");
+    assert_eq!(report.items, 5);
+    h.wait_settled().await;
+    assert!(h.get(BRAND, 1, "sku-4").await.expect("get").is_some(), "storage applied it");
+    let aggregator =
+        shelfsync_aggregator::App::build(as_redis("aggregator")).await.expect("aggregator");
+    let aggregated = aggregator.aggregator();
+    let running = spawn(aggregator);
+    eventually(Duration::from_secs(30), "the aggregator bootstrapped as its Redis user", || {
+        let a = aggregated.clone();
+        async move {
+            a.store()
+                .categories(shelfsync_proto::PlaceKey::new(BRAND, 1))
+                .await
+                .is_ok_and(|c| !c.is_empty())
+        }
+    })
+    .await;
+    running.stop().await.expect("aggregator stops");
+
+    let record = "{ss:p0}:r:7:1";
+    let outbox = "{ss:p0}:obx";
+    for user in ["ingest", "storage", "aggregator", "cli", "reader", "exporter"] {
+        let mut conn = redis_as(&env.redis, user).await;
+        for dangerous in [
+            &["FLUSHALL"][..],
+            &["FLUSHDB"],
+            &["CONFIG", "SET", "appendonly", "no"],
+            &["KEYS", "*"],
+        ] {
+            assert_noperm(&mut conn, user, dangerous).await;
+        }
+        if user != "storage" {
+            assert_noperm(&mut conn, user, &["XADD", outbox, "*", "forged", "x"]).await;
+            assert_noperm(&mut conn, user, &["HSET", record, "sku-0", "forged"]).await;
+        }
+    }
+    let mut ingest = redis_as(&env.redis, "ingest").await;
+    assert_noperm(&mut ingest, "ingest", &["HGET", record, "sku-0"]).await;
+    assert_noperm(&mut ingest, "ingest", &["DEL", outbox]).await;
+    let mut storage = redis_as(&env.redis, "storage").await;
+    assert_noperm(&mut storage, "storage", &["SET", "ss:ingest:flowers:etag", "x"]).await;
+    let mut cli = redis_as(&env.redis, "cli").await;
+    let depth: u64 = redis::cmd("XLEN").arg(outbox).query_async(&mut cli).await.expect("cli reads");
+    assert_eq!(depth, 0);
+    // The default user is off.
+    let anon = redis::Client::open(env.redis.url()).expect("client");
+    let refused: redis::RedisResult<()> = async {
+        let mut c = anon.get_multiplexed_async_connection().await?;
+        redis::cmd("GET").arg("x").query_async(&mut c).await
+    }
+    .await;
+    assert!(refused.is_err(), "the default user answered");
+}
+
+/// The read APIs of storage, the aggregator and the recommender, with
+/// tokens from a file: 401 without one, 403 with a wrong one, the data with
+/// the right one; the probes and `/metrics` stay open. Removing the file
+/// revokes its tokens.
+#[tokio::test]
+async fn the_read_apis_ask_for_a_bearer_token_when_configured() {
+    const READ_TOKEN: &str = "read-api-0123456789abcdef";
+    let env = TestEnv::start().await.expect("servers");
+    let dir = tempfile::tempdir().expect("dir");
+    let tokens = dir.path().join("read.tokens");
+    std::fs::write(&tokens, format!("# readers\n{READ_TOKEN}\n")).expect("tokens");
+    let mut settings = storage_settings(&env);
+    settings.storage.read_tokens_file = Some(tokens.clone());
+    settings.aggregator.read_tokens_file = Some(tokens.clone());
+    settings.aggregator.http_listen = "127.0.0.1:0".into();
+    settings.recommender.read_tokens_file = Some(tokens.clone());
+    settings.recommender.http_listen = "127.0.0.1:0".into();
+    let h = Harness::connect(settings.clone()).await.expect("harness");
+    h.send(vec![patch(BRAND, 1, "sku-1", &product("Roses", 100, 1), 0)]).await.expect("send");
+    let storage = shelfsync_storage::App::build(settings.clone()).await.expect("storage");
+    let storage_addr = storage.http_addr();
+    let storage = spawn(storage);
+    h.wait_settled().await;
+    let aggregator = shelfsync_aggregator::App::build(settings.clone()).await.expect("aggregator");
+    let aggregator_addr = aggregator.http_addr();
+    let aggregator = spawn(aggregator);
+    let recommender =
+        shelfsync_recommender::App::build(settings.clone()).await.expect("recommender");
+    let recommender_addr = recommender.http_addr();
+    let recommender = spawn(recommender);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let status = |url: String, token: Option<&'static str>| {
+        let mut request = http.get(url);
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        async move {
+            let response = request.send().await.expect("request");
+            let challenge = response
+                .headers()
+                .get("www-authenticate")
+                .map(|v| v.to_str().expect("ascii").to_string());
+            (response.status().as_u16(), challenge)
+        }
+    };
+    let apis = [
+        format!("http://{storage_addr}/v1/records/{BRAND}/1/sku-1"),
+        format!("http://{aggregator_addr}/v1/places/{BRAND}/1/categories"),
+        format!("http://{recommender_addr}/v1/top/{BRAND}/1"),
+    ];
+    eventually(Duration::from_secs(30), "every API answers the right token", || async {
+        let mut ok = true;
+        for url in &apis {
+            ok &= status(url.clone(), Some(READ_TOKEN)).await.0 == 200;
+        }
+        ok
+    })
+    .await;
+    for url in &apis {
+        let (code, challenge) = status(url.clone(), None).await;
+        assert_eq!(code, 401, "{url} without a token");
+        assert!(challenge.is_some_and(|c| c.starts_with("Bearer realm=")), "{url}: a challenge");
+        assert_eq!(status(url.clone(), Some("wrong-token-0123456789abcdef")).await.0, 403, "{url}");
+    }
+    let probes = [storage_addr, aggregator_addr, recommender_addr];
+    eventually(Duration::from_secs(30), "every service ready, asked without a token", || async {
+        let mut ok = true;
+        for addr in probes {
+            ok &= status(format!("http://{addr}/readyz"), None).await.0 == 200;
+        }
+        ok
+    })
+    .await;
+    for addr in probes {
+        for path in ["/healthz", "/readyz", "/metrics"] {
+            assert_eq!(
+                status(format!("http://{addr}{path}"), None).await.0,
+                200,
+                "{addr}{path} stays open"
+            );
+        }
+    }
+    // Removing the file revokes its tokens at once.
+    std::fs::remove_file(&tokens).expect("remove");
+    for url in &apis {
+        assert_eq!(status(url.clone(), Some(READ_TOKEN)).await.0, 403, "{url} after revocation");
+    }
+    recommender.stop().await.expect("recommender stops");
+    aggregator.stop().await.expect("aggregator stops");
+    storage.stop().await.expect("storage stops");
 }

@@ -1,5 +1,7 @@
 //! `shelfsync setup [--recreate-cmd]`: create the streams or bring them to
-//! the configured shape (idempotent), then show what exists.
+//! the configured shape (idempotent), then show what exists. The one writer
+//! of stream configuration: the services only verify it at start
+//! (`shelfsync_bus::verify`), so it runs as the NATS admin user.
 //!
 //! `--recreate-cmd` is the one-time upgrade of a command stream created by a
 //! version before 0.2 (a work queue, acked message by message; the retention

@@ -7,6 +7,10 @@
 //! - `GET /v1/places/{brand}/{place}/categories`: the place's non-empty
 //!   categories, sorted;
 //! - `/healthz`; `/readyz` (503 until bootstrapped); `/metrics`.
+//!
+//! With `aggregator.read_tokens_file` / `_env`, the `/v1/` routes ask for
+//! one of those bearer tokens (401 without, 403 with another); the probes
+//! and `/metrics` stay open.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -51,22 +55,34 @@ pub struct App {
     client: async_nats::Client,
     aggregator: Aggregator,
     http: tokio::net::TcpListener,
+    /// The HTTP API's bearer tokens (`None`: open).
+    tokens: Option<Arc<shelfsync_service::ApiTokens>>,
 }
 
 impl App {
-    /// Connects to NATS and Redis, makes sure the streams exist and binds
-    /// the HTTP listener.
+    /// Connects to NATS and Redis, checks that the streams have the shape
+    /// the settings describe (read-only: `shelfsync setup` writes it) and
+    /// binds the HTTP listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
         crate::metrics::register();
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-aggregator", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &settings.nats);
-        shelfsync_bus::provision(&js, &settings.nats, settings.topology()).await?;
+        shelfsync_bus::verify(&js, &settings.nats, settings.topology()).await?;
         let config = Config::from(&settings);
         let aggregator = Aggregator::connect(&config, client.clone()).await.with_context(|| {
             format!("cannot connect to Redis at {}", settings.redis.url_redacted())
         })?;
+        let a = &settings.aggregator;
+        let tokens = shelfsync_service::ApiTokens::load(
+            "shelfsync-aggregator",
+            a.read_tokens_file.as_deref(),
+            a.read_tokens_env.as_deref(),
+            |var| std::env::var(var).ok(),
+        )
+        .context("the HTTP API's tokens")?
+        .map(Arc::new);
         let http = shelfsync_service::bind(&settings.aggregator.http_listen).await?;
-        Ok(App { config, client, aggregator, http })
+        Ok(App { config, client, aggregator, http, tokens })
     }
 
     /// Where the HTTP API listens (useful with port 0).
@@ -86,7 +102,7 @@ impl Service for App {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let App { config, client, aggregator, http: http_listener } = self;
+        let App { config, client, aggregator, http: http_listener, tokens } = self;
         // Whatever a crash left half published goes out before anything new.
         aggregator.recover().await.context("recovering unpublished aggregates")?;
         let mut feed = ChangeFeed::new(client.clone(), &config.nats, feed_config(&config));
@@ -102,7 +118,7 @@ impl Service for App {
 
         let drain = Drain::new();
         let http = Http { aggregator: aggregator.clone(), feed: feed_status.clone() };
-        let http_task = serve(http_listener, router(http), &drain);
+        let http_task = serve(http_listener, router(http, tokens), &drain);
         let watcher = tokio::spawn(watch_reloads(aggregator.clone(), drain.clone()));
 
         let mut handler = aggregator;
@@ -207,14 +223,15 @@ fn unavailable(e: &(dyn std::error::Error + 'static)) -> Response {
         .into_response()
 }
 
-/// The read API and the probes.
-fn router(state: Http) -> Router {
+/// The read API (asking for one of `tokens`, if any) and the probes
+/// (always open).
+fn router(state: Http, tokens: Option<Arc<shelfsync_service::ApiTokens>>) -> Router {
     let probes = probes(&state);
-    Router::new()
+    let api = Router::new()
         .route("/v1/cards/{region}/{product}", get(card))
         .route("/v1/places/{brand}/{place}/categories", get(categories))
-        .with_state(state)
-        .merge(probes.router())
+        .with_state(state);
+    shelfsync_service::protect(api, tokens).merge(probes.router())
 }
 
 /// Ready once bootstrapped and every reloaded place is swept; before a

@@ -6,7 +6,9 @@
 //! a lease held elsewhere — a poll skips that round, a push gets 409. A push
 //! needs the partner's bearer token (`auth`) and a body within the partner's
 //! limit; both are checked before the import is started, so a refused push
-//! publishes nothing.
+//! publishes nothing. The server bounds what callers may hold of it: a
+//! connection cap, a header read timeout and an idle timeout
+//! (`serve_bounded`), and a deadline for a pushed body (408 past it).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use futures::StreamExt;
 use serde_json::json;
-use shelfsync_service::{Drain, Probes, Readiness, Service, serve_with_peer_addr};
+use shelfsync_service::{ConnLimits, Drain, Probes, Readiness, Service, serve_bounded};
 use shelfsync_settings::{IngestSettings, PartnerSettings, Settings};
 use tokio::sync::Mutex;
 use tokio::task::JoinSet;
@@ -104,7 +106,13 @@ impl Service for App {
         // A push's import runs inside the request's span: its trace goes on
         // from the client's `traceparent`. The peer's address is what a
         // refusal is logged once per.
-        let mut server = serve_with_peer_addr(self.listener, router(self.state.clone()), &drain);
+        let ingest = &self.state.ingest;
+        let limits = ConnLimits {
+            max_connections: ingest.push_max_connections,
+            header_timeout: ingest.push_header_timeout,
+            idle_timeout: ingest.push_idle_timeout,
+        };
+        let mut server = serve_bounded(self.listener, router(self.state.clone()), &drain, limits);
         info!(addr = %self.addr, pollers = pollers.len(), "ingest running");
         tokio::select! {
             () = shutdown => info!("shutting down"),
@@ -182,6 +190,7 @@ async fn push(
     };
     let mut seen = 0u64;
     let over = Arc::new(AtomicBool::new(false));
+    let late = Arc::new(AtomicBool::new(false));
     let body = body.into_data_stream().map({
         let over = over.clone();
         move |chunk| {
@@ -194,6 +203,7 @@ async fn push(
             Ok(chunk)
         }
     });
+    let body = within(body, app.ingest.push_body_timeout, late.clone());
     let source = Source::Stream(Box::new(StreamReader::new(Box::pin(body))));
     let (report, result) = app.importer.run(partner, source, None).await;
     let status = match &result {
@@ -201,6 +211,18 @@ async fn push(
         // The import failed at the limit (nothing swept); what it read
         // before stays published, as for any failed import.
         Err(_) if over.load(Ordering::SeqCst) => return too_large("the body"),
+        Err(_) if late.load(Ordering::SeqCst) => {
+            let limit = app.ingest.push_body_timeout;
+            let message = format!(
+                "the body was not received within {} (ingest.push_body_timeout); nothing swept",
+                humantime::format_duration(limit)
+            );
+            return (
+                StatusCode::REQUEST_TIMEOUT,
+                Json(json!({ "error": message, "report": report })),
+            )
+                .into_response();
+        }
         Err(e) if e.is_bad_feed() => StatusCode::BAD_REQUEST,
         Err(ImportError::Busy { .. }) => StatusCode::CONFLICT,
         Err(ImportError::Source { .. }) => StatusCode::BAD_REQUEST,
@@ -208,6 +230,34 @@ async fn push(
     };
     let message = result.err().map(|e| e.to_string()).unwrap_or_default();
     (status, Json(json!({ "error": message, "report": report }))).into_response()
+}
+
+/// `body`, ending with an error (and `late` set) if it is not over within
+/// `limit`: a push that trickles its body cannot hold its partner's lock,
+/// its lease and a connection for ever.
+fn within(
+    body: impl futures::Stream<Item = io::Result<bytes::Bytes>> + Send + 'static,
+    limit: Duration,
+    late: Arc<AtomicBool>,
+) -> impl futures::Stream<Item = io::Result<bytes::Bytes>> + Send + 'static {
+    let deadline = tokio::time::Instant::now() + limit;
+    futures::stream::unfold((Box::pin(body), false), move |(mut body, done)| {
+        let late = late.clone();
+        async move {
+            if done {
+                return None;
+            }
+            match tokio::time::timeout_at(deadline, body.next()).await {
+                Ok(Some(chunk)) => Some((chunk, (body, false))),
+                Ok(None) => None,
+                Err(_) => {
+                    late.store(true, Ordering::SeqCst);
+                    let e = io::Error::new(io::ErrorKind::TimedOut, "the body took too long");
+                    Some((Err(e), (body, true)))
+                }
+            }
+        }
+    })
 }
 
 /// The `Content-Length` a request declares, if any (hyper has checked that

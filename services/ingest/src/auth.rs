@@ -1,6 +1,7 @@
 //! Who may push a partner's feed: each partner's bearer tokens, from its
 //! `push_tokens_file` (re-read whenever the file changes, so a mounted
-//! secret rotates with no restart) and its `push_tokens_env` variable (read
+//! secret rotates with no restart; removing the file revokes them, and a
+//! file put back is read again) and its `push_tokens_env` variable (read
 //! at start); the check of a request's `Authorization` header against every
 //! token of every partner in constant time; and the refusals: their answer,
 //! their metric and their log line, once per address, partner and reason.
@@ -144,8 +145,8 @@ struct TokenFile {
 }
 
 struct FileState {
-    /// Of the file the tokens were last read from.
-    signature: Signature,
+    /// Of the file the tokens were last read from; `None` once it is gone.
+    signature: Option<Signature>,
     tokens: Vec<Digest>,
     /// The last look failed (and was logged): it is logged again only
     /// after a good read.
@@ -157,19 +158,32 @@ impl TokenFile {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Re-reads the file if it changed; a file that cannot be read or parsed
-    /// keeps the last good tokens.
+    /// Re-reads the file if it changed. A file that no longer exists revokes
+    /// its tokens (removing a partner's tokens file is how its push is
+    /// switched off at once); one that cannot be read or parsed keeps the
+    /// last good tokens (a half-written edit must not lock the partner out).
     fn refresh(&self, partner: &str) {
         let mut state = self.state();
-        if signature(&self.path).is_ok_and(|sig| sig == state.signature) {
-            state.failing = false;
-            return;
+        match signature(&self.path) {
+            Ok(sig) if Some(sig) == state.signature => {
+                state.failing = false;
+                return;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if state.signature.is_some() {
+                    warn!(partner, file = %self.path.display(),
+                        "push tokens file removed: its tokens are revoked");
+                }
+                *state = FileState { signature: None, tokens: Vec::new(), failing: false };
+                return;
+            }
+            _ => {}
         }
         match read_tokens_file(&self.path) {
             Ok((signature, tokens)) => {
                 info!(partner, file = %self.path.display(), tokens = tokens.len(), "push tokens reloaded");
                 *state = FileState {
-                    signature,
+                    signature: Some(signature),
                     tokens: tokens.iter().map(|t| digest(t.expose())).collect(),
                     failing: false,
                 };
@@ -230,7 +244,11 @@ impl PushAuth {
                         anyhow!("partner `{name}`: push_tokens_file {}: {e}", path.display())
                     })?;
                     let tokens = tokens.iter().map(|t| digest(t.expose())).collect();
-                    let state = Mutex::new(FileState { signature, tokens, failing: false });
+                    let state = Mutex::new(FileState {
+                        signature: Some(signature),
+                        tokens,
+                        failing: false,
+                    });
                     Some(TokenFile { path: path.clone(), state })
                 }
             };

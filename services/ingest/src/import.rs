@@ -5,9 +5,12 @@
 //! A full import holds its partner's lease (see `lease`) from before its
 //! source is opened to its report: a second one, in any process, waits or
 //! fails with [`ImportError::Busy`]; a lost lease stops the import where it
-//! is (no sweep), and the lease is confirmed right before the sweeps. Its id
-//! and generation are stamped when it gets the lease, so generations follow
-//! the order in which the imports of a partner ran.
+//! is (no sweep), and the lease is confirmed right before the sweeps. Its
+//! generation is decided with the lease, in the same Redis step: its start
+//! time, or the partner's last generation + 1 when the host's clock is
+//! behind, so generations grow in the order the imports of a partner ran,
+//! whatever the clocks of the hosts running them say. Its id is
+//! `<partner>-<generation>`.
 //!
 //! The parser thread and the async publisher are joined by a small bounded
 //! channel, and JetStream acks in flight are bounded by the `Publisher`, so
@@ -47,7 +50,7 @@ use crate::item::{CommandContext, ItemRules, OwnedFields, to_encoded_command, to
 use crate::lease::{Holder, Lease};
 use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
-use crate::state::State;
+use crate::state::{GENERATION_SLOT, State};
 
 mod run;
 
@@ -90,6 +93,10 @@ impl From<&Settings> for ImportConfig {
     }
 }
 
+/// What an importer reads the time from: µs since the Unix epoch.
+/// [`now_us`] unless a test gives another ([`Importer::with_clock`]).
+pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
+
 /// Runs imports. Cheap to share (`Arc`); imports of different partners may
 /// run at once.
 pub struct Importer {
@@ -101,6 +108,7 @@ pub struct Importer {
     http: reqwest::Client,
     /// How long a full import waits for its partner's lease (0: fails at once).
     lease_wait: Duration,
+    clock: Clock,
 }
 
 impl Importer {
@@ -132,7 +140,15 @@ impl Importer {
             .context("cannot build the HTTP client")?;
         let subjects = Subjects::new(&settings.nats.prefix);
         let lease_wait = Duration::ZERO;
-        Ok(Importer { settings, client, js, subjects, state, http, lease_wait })
+        let clock: Clock = Arc::new(now_us);
+        Ok(Importer { settings, client, js, subjects, state, http, lease_wait, clock })
+    }
+
+    /// Reads the time from `clock` instead of the host's (tests: a host
+    /// whose clock is off).
+    pub fn with_clock(mut self, clock: Clock) -> Importer {
+        self.clock = clock;
+        self
     }
 
     /// A full import finding another one of its partner running waits up to
@@ -176,11 +192,11 @@ impl Importer {
     ) -> (ImportReport, Result<(), ImportError>) {
         let full = partner.kind == ImportKind::Full;
         let (lease, started) = match full {
-            true => {
-                let (lease, started) = self.take_lease(partner, source.describe()).await;
-                (Some(lease), started)
-            }
-            false => (None, now_us()),
+            true => match self.take_lease(partner, source.describe()).await {
+                Ok((lease, generation)) => (Some(Ok(lease)), generation),
+                Err(e) => (Some(Err(e)), (self.clock)()),
+            },
+            false => (None, (self.clock)()),
         };
         let import_id = format!("{}-{started}", partner.name);
         let span =
@@ -231,22 +247,19 @@ impl Importer {
         .await
     }
 
-    /// The partner's lease, for a full import, and the import's start (µs):
-    /// stamped at the attempt that got the lease, so that generations follow
-    /// the order in which the imports of a partner ran.
+    /// The partner's lease, for a full import, and the import's generation
+    /// (µs), decided with the lease: its start, or the partner's last
+    /// generation + 1 (`lease`).
     async fn take_lease(
         &self,
         partner: &PartnerSettings,
         what: String,
-    ) -> (Result<Lease, ImportError>, i64) {
+    ) -> Result<(Lease, i64), ImportError> {
         let ttl = self.settings.ingest.import_lease_ttl;
-        let mut started = now_us();
-        let holder = || {
-            started = now_us();
-            Holder::this_process(&format!("{}-{started}", partner.name), &what)
-        };
-        let lease = Lease::take(&self.state, &partner.name, ttl, self.lease_wait, holder).await;
-        (lease, started)
+        let id = format!("{}-{GENERATION_SLOT}", partner.name);
+        let holder = || Holder::this_process(&id, &what);
+        let clock = self.clock.clone();
+        Lease::take(&self.state, &partner.name, ttl, self.lease_wait, holder, move || clock()).await
     }
 
     /// Logs the one line of this import and keeps its report.
@@ -313,12 +326,17 @@ impl Importer {
         run.pipeline(reader, &self.settings.ingest, progress).await?;
         if partner.kind == ImportKind::Full {
             let seen: BTreeSet<i64> = run.places.keys().copied().collect();
-            let known = self.state.known_places(&partner.name).await?;
+            let (generation, forget) =
+                (run.report.generation, self.settings.ingest.forget_places_after);
+            let known = self.state.known_places(&partner.name, generation, forget).await?;
             if let Some(lease) = lease {
                 lease.confirm().await?;
             }
             let swept = run.sweep(&known).await?;
-            self.state.add_known_places(&partner.name, &seen).await?;
+            let remembered =
+                self.state.remember_places(&partner.name, &seen, generation, forget).await?;
+            metrics::gauge!(names::INGEST_KNOWN_PLACES, "partner" => partner.name.clone())
+                .set(remembered as f64);
             self.sweep_outcomes(partner, &swept, run.report).await?;
         }
         if is_url && fresh != known {

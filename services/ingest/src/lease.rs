@@ -3,12 +3,16 @@
 //! imports never interleave (one would sweep what the other just imported).
 //! Owns the lease's logic — who holds it, the renewal schedule, when it
 //! counts as lost; the Redis steps are in `state` (key
-//! `{namespace}:ingest:{partner}:lease`, one key per step).
+//! `{{namespace}:ingest:{partner}}:lease`, one key per step but the take,
+//! which also writes the partner's generation beside it).
 //!
-//! - Taken by a full import before it opens its source: `SET key holder NX
-//!   PX ttl` (`ingest.import_lease_ttl`, default 30 s). The value says who
-//!   holds it (import id, host, pid, program, source, start) and, being
-//!   unique, is also the token the other steps compare against.
+//! - Taken by a full import before it opens its source, together with the
+//!   import's generation, in one script on the partner's hash tag (the key
+//!   if free, `PX ttl` — `ingest.import_lease_ttl`, default 30 s; the
+//!   generation: the import's start, or the partner's last generation + 1
+//!   when the host's clock is behind). The value says who holds it (import
+//!   id, host, pid, program, source, start) and, being unique, is also the
+//!   token the other steps compare against.
 //! - Renewed every ttl/3 by a task while the import runs (compare-and-
 //!   `PEXPIRE` in Lua); a failed renewal is retried every ttl/10.
 //! - Lost when the value is no longer ours (it expired and another import
@@ -45,7 +49,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::report::ImportError;
-use crate::state::State;
+use crate::state::{GENERATION_SLOT, State};
 
 /// Who holds a lease: its stored value, shown to an import that finds it taken.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -182,22 +186,28 @@ pub(crate) struct Lease {
 
 impl Lease {
     /// Takes the lease of `partner`, waiting up to `wait` while another
-    /// import holds it. `holder` says who takes it, afresh at each attempt.
+    /// import holds it, and with it the import's generation (returned):
+    /// `start()` (µs) at the attempt that got it, or the partner's last
+    /// generation + 1 if that is not more. `holder` says who takes it,
+    /// afresh at each attempt; its import id may hold
+    /// [`GENERATION_SLOT`], which becomes the generation.
     pub async fn take(
         state: &State,
         partner: &str,
         ttl: Duration,
         wait: Duration,
         mut holder: impl FnMut() -> Holder,
-    ) -> Result<Lease, ImportError> {
+        start: impl Fn() -> i64,
+    ) -> Result<(Lease, i64), ImportError> {
         let give_up = Instant::now() + wait;
         let poll = (ttl / 20).clamp(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             let value = serde_json::to_string(&holder())
                 .map_err(|e| ImportError::Internal(e.to_string()))?;
             let sent = Instant::now();
-            if state.lease_take(partner, &value, ttl).await? {
-                return Ok(Lease::start(state.clone(), partner, value, ttl, sent));
+            if let Some(generation) = state.lease_take(partner, &value, ttl, start()).await? {
+                let value = value.replace(GENERATION_SLOT, &generation.to_string());
+                return Ok((Lease::start(state.clone(), partner, value, ttl, sent), generation));
             }
             if Instant::now() >= give_up {
                 // Released in between: try again at once.

@@ -9,7 +9,8 @@
 //!   channel → batched, deduplicated publishing → sweeps after a good full
 //!   import → [`ImportReport`];
 //! - `source`: files, HTTP(S) with ETag / If-Modified-Since, pushed streams;
-//! - `state`: ingest's own Redis keys (HTTP validators, last reports, leases);
+//! - `state`: ingest's own Redis keys (HTTP validators, last reports, the
+//!   places full imports carried, leases and generations);
 //! - `lease`: one full import per partner at a time, across processes: a
 //!   lease in Redis, renewed while the import runs, checked before it sweeps;
 //! - `report`: the report, the progress counts and [`ImportError`];
@@ -32,6 +33,6 @@ mod source;
 mod state;
 
 pub use app::App;
-pub use import::{ImportConfig, Importer, ProgressFn};
+pub use import::{Clock, ImportConfig, Importer, ProgressFn};
 pub use report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 pub use source::{Source, Validators};

@@ -521,9 +521,13 @@ async fn a_rewritten_tokens_file_rotates_the_push_tokens_without_a_restart() -> 
     assert_eq!(status, 401, "the old token after the rotation: {body}");
     assert_eq!(push(NEW_TOKEN, "d").await?.0, 200, "the new token after the rotation");
 
-    // A file that is gone, or holds a bad token, keeps the last good tokens.
+    // Removing the file revokes its tokens at once; a file put back is read.
     std::fs::remove_file(&file)?;
-    assert_eq!(push(NEW_TOKEN, "e").await?.0, 200, "the file is gone: the last good tokens");
+    let (status, body) = push(NEW_TOKEN, "gone").await?;
+    assert_eq!(status, 401, "the file is gone: its tokens are revoked: {body}");
+    std::fs::write(&file, format!("{NEW_TOKEN}\n"))?;
+    assert_eq!(push(NEW_TOKEN, "e").await?.0, 200, "the file is back");
+    // A file that holds a bad token keeps the last good tokens.
     std::fs::write(&file, "short\n")?;
     assert_eq!(push(NEW_TOKEN, "f").await?.0, 200, "a bad file: the last good tokens");
     assert_eq!(push(OLD_TOKEN, "g").await?.0, 401);
@@ -688,4 +692,103 @@ async fn push_tokens_from_an_environment_variable_work() -> Result {
     let ids = h.product_ids().await?;
     assert_eq!(ids, ["a", "b"]);
     Ok(())
+}
+
+// --- what a caller may hold of the push server -------------------------------
+
+/// A raw connection to the push server: what a slow or idle client does.
+async fn connect_raw(service: &Service) -> Result<tokio::net::TcpStream> {
+    let addr = service.base.trim_start_matches("http://").to_string();
+    Ok(tokio::net::TcpStream::connect(addr).await?)
+}
+
+/// Reads until the server closes the connection (or `within` passes):
+/// what it sent, and whether it closed.
+async fn read_until_closed(
+    conn: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> Result<(String, bool)> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok((String::from_utf8_lossy(&got).into(), true)),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => return Ok((String::from_utf8_lossy(&got).into(), false)),
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_push_server_bounds_slow_headers_idle_connections_and_their_number() -> Result {
+    use tokio::io::AsyncWriteExt;
+    let mut h = harness(vec![full("bounded")]).await?;
+    h.settings.partners[0].push_tokens_file = Some(h.tokens_file("bounded", PUSHED_TOKEN)?);
+    h.settings.ingest.push_header_timeout = Duration::from_millis(500);
+    h.settings.ingest.push_idle_timeout = Duration::from_millis(400);
+    h.settings.ingest.push_max_connections = 2;
+    let service = serve(&h.settings).await?;
+
+    // Headers trickled in slower than the header timeout: the connection
+    // is closed without an answer to the request.
+    let mut slow = connect_raw(&service).await?;
+    slow.write_all(b"POST /v1/partners/bounded/feed HTTP/1.1\r\nHost: x\r\n").await?;
+    let (_, closed) = read_until_closed(&mut slow, Duration::from_secs(5)).await?;
+    assert!(closed, "a request whose headers never end is cut off");
+
+    // A kept-alive connection left idle after its request is closed.
+    let mut idle = connect_raw(&service).await?;
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await?;
+    let (answer, closed) = read_until_closed(&mut idle, Duration::from_secs(5)).await?;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(closed, "an idle kept-alive connection is closed");
+
+    // Two connections held open by callers that send nothing: a third is
+    // not served until one of them goes (closed by the header timeout).
+    let _a = connect_raw(&service).await?;
+    let _b = connect_raw(&service).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = std::time::Instant::now();
+    let (status, _) = service.push("bounded", None, "{}").await?;
+    assert_eq!(status, 401, "served once a slot is free");
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "the third caller waited for a slot ({:?})",
+        started.elapsed()
+    );
+    service.stop().await
+}
+
+#[tokio::test]
+async fn a_body_not_received_within_the_push_deadline_fails_the_import_with_408() -> Result {
+    let mut h = harness(vec![full("trickle")]).await?;
+    h.settings.partners[0].push_tokens_file = Some(h.tokens_file("trickle", PUSHED_TOKEN)?);
+    h.settings.ingest.push_body_timeout = Duration::from_millis(700);
+    let service = serve(&h.settings).await?;
+    // One item, then nothing for longer than the deadline.
+    let first = line("sku-1", 4);
+    let body = futures::stream::unfold(0, move |n| {
+        let first = first.clone();
+        async move {
+            match n {
+                0 => Some((Ok::<_, std::io::Error>(bytes::Bytes::from(first)), 1)),
+                1 => {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    Some((Ok(bytes::Bytes::from(line("sku-2", 4))), 2))
+                }
+                _ => None,
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    let (status, answer) =
+        service.push("trickle", Some(PUSHED_TOKEN), reqwest::Body::wrap_stream(body)).await?;
+    assert_eq!(status, 408, "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(4), "cut off at the deadline");
+    let error = answer["error"].as_str().unwrap_or_default();
+    assert!(error.contains("push_body_timeout"), "{answer}");
+    assert_eq!(answer["report"]["sweeps"].as_u64(), Some(0), "nothing swept: {answer}");
+    service.stop().await
 }

@@ -28,6 +28,8 @@ pub struct App {
     feed: ChangeFeed,
     feed_name: String,
     api: Api,
+    /// The HTTP API's bearer tokens (`None`: open).
+    tokens: Option<Arc<shelfsync_service::ApiTokens>>,
 }
 
 /// A durable consumer name of its own for this instance: each instance
@@ -48,6 +50,15 @@ impl App {
             .with_context(|| {
                 format!("cannot connect to NATS at {}", settings.nats.url_redacted())
             })?;
+        let r = &settings.recommender;
+        let tokens = shelfsync_service::ApiTokens::load(
+            "shelfsync-recommender",
+            r.read_tokens_file.as_deref(),
+            r.read_tokens_env.as_deref(),
+            |var| std::env::var(var).ok(),
+        )
+        .context("the HTTP API's tokens")?
+        .map(Arc::new);
         let http = shelfsync_service::bind(&settings.recommender.http_listen).await?;
         let feed_name = feed_name();
         let cfg = FeedConfig {
@@ -65,6 +76,7 @@ impl App {
             feed,
             feed_name,
             api,
+            tokens,
         })
     }
 
@@ -90,7 +102,7 @@ impl Service for App {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let App { client, subjects, http, mut feed, feed_name, api } = self;
+        let App { client, subjects, http, mut feed, feed_name, api, tokens } = self;
         info!(
             http = %http.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
             subject = %subjects.recommend_top(),
@@ -98,7 +110,7 @@ impl Service for App {
             "recommender starting"
         );
         let drain = Drain::new();
-        let http_task = serve(http, crate::http::router(api.clone()), &drain);
+        let http_task = serve(http, crate::http::router(api.clone(), tokens), &drain);
         let nats_task = tokio::spawn(crate::nats::serve(
             api.clone(),
             client.clone(),

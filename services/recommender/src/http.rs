@@ -1,5 +1,6 @@
-//! The HTTP API (axum): top-N queries as JSON, and the probes (health,
-//! readiness, Prometheus `/metrics`). Thin: parsing and answers live in
+//! The HTTP API (axum): top-N queries as JSON (behind bearer tokens when
+//! `recommender.read_tokens_file` / `_env` are set), and the probes
+//! (health, readiness, Prometheus `/metrics`, always open). Thin: parsing and answers live in
 //! `query`, the metrics in `metrics`.
 
 use axum::extract::{Path, Query, State};
@@ -8,7 +9,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
-use shelfsync_service::{Probes, Readiness};
+use std::sync::Arc;
+
+use shelfsync_service::{ApiTokens, Probes, Readiness};
 
 use crate::metrics::{self, Transport};
 use crate::query::{Api, QueryError, TopQuery};
@@ -23,9 +26,10 @@ impl IntoResponse for QueryError {
     }
 }
 
-/// The API and the probes: ready once bootstrapped (and not stopping);
-/// the index's gauges are set before each scrape.
-pub fn router(api: Api) -> Router {
+/// The API (asking for one of `tokens`, if any) and the probes: ready once
+/// bootstrapped (and not stopping); the index's gauges are set before each
+/// scrape.
+pub fn router(api: Api, tokens: Option<Arc<ApiTokens>>) -> Router {
     let ready = api.clone();
     let scraped = api.clone();
     let probes =
@@ -37,7 +41,8 @@ pub fn router(api: Api) -> Router {
             metrics::set_index(scraped.ready(), offers, places);
             scraped.feed().record_metrics();
         });
-    Router::new().route("/v1/top/{brand}/{place}", get(top)).with_state(api).merge(probes.router())
+    let top = Router::new().route("/v1/top/{brand}/{place}", get(top)).with_state(api);
+    shelfsync_service::protect(top, tokens).merge(probes.router())
 }
 
 async fn top(

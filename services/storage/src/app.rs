@@ -103,17 +103,20 @@ impl Keyframer {
 }
 
 impl App {
-    /// Connects to NATS and Redis, makes sure the streams exist and binds
-    /// the HTTP listener.
+    /// Connects to NATS and Redis, checks that the streams have the shape
+    /// the settings describe (`shelfsync setup` writes it; storage only
+    /// reads it, and refuses to start on any difference) and binds the HTTP
+    /// listener.
     pub async fn build(settings: Settings) -> anyhow::Result<App> {
         let config = Config::from(&settings);
         shelfsync_telemetry::install_metrics();
         let client = shelfsync_bus::connect(&config.nats, "shelfsync-storage", true).await?;
         let js = shelfsync_bus::jetstream(client.clone(), &config.nats);
-        shelfsync_bus::provision(&js, &config.nats, config.topology()).await?;
         let store = Store::connect(&config.redis).await.with_context(|| {
             format!("cannot connect to Redis at {}", config.redis.url_redacted())
         })?;
+        shelfsync_bus::verify(&js, &config.nats, config.topology()).await?;
+        crate::read::read_tokens(&config.storage).context("the read API's tokens")?;
         let http = tokio::net::TcpListener::bind(&config.storage.http_listen)
             .await
             .with_context(|| format!("cannot listen on {}", config.storage.http_listen))?;

@@ -24,6 +24,12 @@
 //!
 //! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
 //! get a 400 (or a `ReadReply.error`) that says what is wrong.
+//!
+//! With `storage.read_tokens_file` / `read_tokens_env` set, the `/v1/`
+//! routes ask for one of those bearer tokens (401 without, 403 with
+//! another); the probes and `/metrics` stay open (Prometheus and the
+//! kubelet scrape them; they carry counts, no record). Over NATS the read
+//! subjects are guarded by the NATS users' permissions instead.
 
 use std::sync::Arc;
 
@@ -42,7 +48,7 @@ use shelfsync_proto::{
     DeadEntriesReply, DeadEntriesRequest, DeadEntry, PlaceKey, ReadReply, ReadRequest, Record,
     SweepsReply, SweepsRequest,
 };
-use shelfsync_service::Drain;
+use shelfsync_service::{ApiTokens, Drain};
 use shelfsync_settings::StorageSettings;
 use shelfsync_telemetry::chain;
 use tracing::{error, warn};
@@ -75,6 +81,20 @@ pub struct ReadApi {
     storage: Arc<StorageSettings>,
     stats: Arc<crate::Stats>,
     ready: Option<Arc<crate::readiness::Readiness>>,
+    /// The bearer tokens of the HTTP API (`None`: open).
+    tokens: Option<Arc<ApiTokens>>,
+}
+
+/// The HTTP read API's tokens from `storage.read_tokens_file` /
+/// `read_tokens_env` (`None`: none configured). Storage checks them when it
+/// builds, so a bad file stops the start.
+pub fn read_tokens(storage: &StorageSettings) -> anyhow::Result<Option<ApiTokens>> {
+    ApiTokens::load(
+        "shelfsync-storage",
+        storage.read_tokens_file.as_deref(),
+        storage.read_tokens_env.as_deref(),
+        |var| std::env::var(var).ok(),
+    )
 }
 
 fn check_product_id(id: &str) -> Result<(), ReadError> {
@@ -89,7 +109,16 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 
 impl ReadApi {
     pub fn new(store: Store, storage: Arc<StorageSettings>, stats: Arc<crate::Stats>) -> Self {
-        Self { store, storage, stats, ready: None }
+        // Checked at start (`App::build`); should the file have become
+        // unreadable since, nothing is served rather than everything.
+        let tokens = match read_tokens(&storage) {
+            Ok(tokens) => tokens.map(Arc::new),
+            Err(e) => {
+                error!(error = %format!("{e:#}"), "cannot load the read API's tokens: it refuses every request");
+                Some(Arc::new(ApiTokens::none("shelfsync-storage")))
+            }
+        };
+        Self { store, storage, stats, ready: None, tokens }
     }
 
     /// `/readyz` also follows the workers' readiness.
@@ -337,10 +366,7 @@ impl ReadApi {
 
     /// The read API, probes and metrics, traced and measured.
     pub fn router(self) -> Router {
-        let router = Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
-            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
+        let api = Router::new()
             .route(
                 "/v1/stats",
                 get(|State(api): State<ReadApi>| async move { Json(api.stats.to_json()) }),
@@ -348,7 +374,13 @@ impl ReadApi {
             .route("/v1/records/{brand}/{place}/{product}", get(http_get))
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))
-            .with_state(self);
+            .with_state(self.clone());
+        let router = Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
+            .with_state(self.clone())
+            .merge(shelfsync_service::protect(api, self.tokens));
         shelfsync_telemetry::instrument(router)
     }
 

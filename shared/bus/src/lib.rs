@@ -3,7 +3,9 @@
 //!
 //! - [`Subjects`]: every subject and stream name, derived from one prefix;
 //! - [`Partition`] / [`partition_of`]: the stable command partitioning;
-//! - [`connect`] and [`provision`]: connection and idempotent stream set-up;
+//! - [`connect`] and [`provision`]: connection and idempotent stream set-up
+//!   (`shelfsync setup`, the one writer of stream configuration);
+//!   [`verify`]: what every service does instead at start, read-only;
 //! - [`Publisher`]: deduplicated publishing with a bounded number of
 //!   in-flight acks, trace context injected into the headers;
 //! - [`CommandBatcher`] (and [`EncodedBatcher`], for commands encoded where
@@ -22,6 +24,7 @@ mod batch;
 mod commands;
 pub mod digest;
 pub mod encoding;
+pub mod intake;
 mod publish;
 mod subjects;
 
@@ -73,6 +76,34 @@ pub enum BusError {
     Credentials { path: String, source: std::io::Error },
     #[error("cannot provision stream {stream}: {detail}")]
     Provision { stream: String, detail: String },
+    #[error("cannot read the configuration of stream {stream}: {detail}")]
+    StreamInfo { stream: String, detail: String },
+    #[error(
+        "the streams do not have the shape the settings describe ({}); run `shelfsync setup` \
+         (as the NATS admin user, with the same settings) to create or update them",
+        .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    Mismatch(Vec<Difference>),
+}
+
+/// One way a stream differs from [`stream_configs`]: what [`verify`] finds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Difference {
+    /// The stream does not exist.
+    Missing { stream: String },
+    /// A setting of the stream has another value than the settings give it.
+    Field { stream: String, field: &'static str, have: String, want: String },
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Difference::Missing { stream } => write!(f, "stream {stream} does not exist"),
+            Difference::Field { stream, field, have, want } => {
+                write!(f, "stream {stream}: {field} is {have}, the settings say {want}")
+            }
+        }
+    }
 }
 
 /// Connects with the configured URLs and credentials. `retry` keeps trying
@@ -85,6 +116,7 @@ pub async fn connect(
 ) -> Result<async_nats::Client, BusError> {
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
+        .custom_inbox_prefix(&cfg.inbox_prefix)
         .request_timeout(Some(cfg.request_timeout))
         .connection_timeout(Duration::from_secs(5));
     if retry {
@@ -163,8 +195,7 @@ pub fn stream_configs(n: &NatsSettings, topology: Topology) -> Vec<stream::Confi
             max_bytes: max_bytes(n.cmd_max_bytes),
             discard: stream::DiscardPolicy::New,
             description: Some("shelfsync commands, one subject per partition".into()),
-            metadata: [("shelfsync.partitions".to_string(), topology.partitions.to_string())]
-                .into(),
+            metadata: [(PARTITIONS_KEY.to_string(), topology.partitions.to_string())].into(),
             // Storage reads the messages queued behind the one delivered
             // with direct gets (next on the partition's subject).
             allow_direct: true,
@@ -271,10 +302,9 @@ pub async fn provision(
                         info.config.retention, config.retention
                     )));
                 }
-                if let (Some(have), Some(want)) = (
-                    info.config.metadata.get("shelfsync.partitions"),
-                    config.metadata.get("shelfsync.partitions"),
-                ) && have != want
+                if let (Some(have), Some(want)) =
+                    (info.config.metadata.get(PARTITIONS_KEY), config.metadata.get(PARTITIONS_KEY))
+                    && have != want
                 {
                     return Err(err(format!(
                         "the stream was created with {have} partitions, settings say {want}; \
@@ -293,6 +323,89 @@ pub async fn provision(
         }
     }
     Ok(())
+}
+
+/// The metadata key of the command stream that records its partition count.
+const PARTITIONS_KEY: &str = "shelfsync.partitions";
+
+/// Checks that every stream exists with the configuration `shelfsync setup`
+/// gives it ([`stream_configs`]), reading it only: services verify the
+/// streams at start instead of writing them, so that their NATS users need
+/// no right to change a stream (only the admin user, which `setup` runs as,
+/// has it). Every difference found is in the one error.
+pub async fn verify(
+    js: &jetstream::Context,
+    nats: &NatsSettings,
+    topology: Topology,
+) -> Result<(), BusError> {
+    let mut found = Vec::new();
+    let cmd = Subjects::new(&nats.prefix).cmd_stream();
+    for mut want in stream_configs(nats, topology) {
+        let name = want.name.clone();
+        // As `provision` sets it: below this server's max payload.
+        if name == cmd {
+            want.max_message_size =
+                server_max_payload(&js.client()).await.map_or(0, cmd_max_message_size);
+        }
+        match js.get_stream(&name).await {
+            Ok(mut stream) => {
+                let info = stream.info().await.map_err(|e| BusError::StreamInfo {
+                    stream: name.clone(),
+                    detail: e.to_string(),
+                })?;
+                found.extend(differences(&info.config, &want));
+            }
+            Err(e)
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                found.push(Difference::Missing { stream: name });
+            }
+            Err(e) => return Err(BusError::StreamInfo { stream: name, detail: e.to_string() }),
+        }
+    }
+    if found.is_empty() { Ok(()) } else { Err(BusError::Mismatch(found)) }
+}
+
+/// How an existing stream's configuration differs from the wanted one, in
+/// what the suite relies on: subjects, retention, limits (bytes, age,
+/// message size), storage,
+/// replicas, discard policy, duplicate window, direct gets and the command
+/// stream's partition count. What the server adds of its own (metadata
+/// under `_nats.`, defaults of fields the suite leaves alone) is ignored.
+pub fn differences(have: &stream::Config, want: &stream::Config) -> Vec<Difference> {
+    let mut out = Vec::new();
+    let name = want.name.clone();
+    let mut push = |field: &'static str, have: String, want: String| {
+        if have != want {
+            out.push(Difference::Field { stream: name.clone(), field, have, want });
+        }
+    };
+    let mut subjects = (have.subjects.clone(), want.subjects.clone());
+    subjects.0.sort();
+    subjects.1.sort();
+    push("subjects", format!("{:?}", subjects.0), format!("{:?}", subjects.1));
+    push("retention", format!("{:?}", have.retention), format!("{:?}", want.retention));
+    push("storage", format!("{:?}", have.storage), format!("{:?}", want.storage));
+    push("replicas", have.num_replicas.to_string(), want.num_replicas.to_string());
+    push("discard", format!("{:?}", have.discard), format!("{:?}", want.discard));
+    push("max_bytes", have.max_bytes.to_string(), want.max_bytes.to_string());
+    push("max_age", format!("{:?}", have.max_age), format!("{:?}", want.max_age));
+    // 0 (a config's default) and -1 (what the server answers) both mean unlimited.
+    let size = |v: i32| if v <= 0 { "unlimited".to_string() } else { v.to_string() };
+    push("max_message_size", size(have.max_message_size), size(want.max_message_size));
+    // The server caps the duplicate window at max_age.
+    let window = match want.max_age {
+        age if !age.is_zero() && want.duplicate_window > age => age,
+        _ => want.duplicate_window,
+    };
+    push("duplicate_window", format!("{:?}", have.duplicate_window), format!("{window:?}"));
+    push("allow_direct", have.allow_direct.to_string(), want.allow_direct.to_string());
+    if let Some(partitions) = want.metadata.get(PARTITIONS_KEY) {
+        let had = have.metadata.get(PARTITIONS_KEY).map_or("none".into(), |p| p.clone());
+        push("partitions (metadata shelfsync.partitions)", had, partitions.clone());
+    }
+    out
 }
 
 /// The server's `max_payload`, once the connection has its INFO (a client
@@ -345,4 +458,55 @@ pub async fn request_keyframe(
         }
     }
     Ok(replies)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configured_streams_have_no_differences_with_themselves() {
+        let nats = NatsSettings::default();
+        let topology =
+            Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
+        for config in stream_configs(&nats, topology) {
+            assert_eq!(differences(&config, &config), [], "{}", config.name);
+        }
+    }
+
+    #[test]
+    fn what_the_suite_relies_on_is_compared_and_server_metadata_ignored() {
+        let nats = NatsSettings::default();
+        let topology =
+            Topology { partitions: 4, storage_replicas: 1, tombstone_ttl: Duration::ZERO };
+        let want = stream_configs(&nats, topology).remove(0);
+        let mut have = want.clone();
+        have.metadata.insert("_nats.req.level".into(), "1".into());
+        have.description = Some("edited by hand".into());
+        assert_eq!(differences(&have, &want), []);
+        have.subjects.push("elsewhere.>".into());
+        have.retention = stream::RetentionPolicy::WorkQueue;
+        have.discard = stream::DiscardPolicy::Old;
+        have.num_replicas = 3;
+        have.allow_direct = false;
+        have.metadata.remove("shelfsync.partitions");
+        let fields: Vec<&str> = differences(&have, &want)
+            .iter()
+            .map(|d| match d {
+                Difference::Field { field, .. } => *field,
+                Difference::Missing { .. } => "missing",
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "subjects",
+                "retention",
+                "replicas",
+                "discard",
+                "allow_direct",
+                "partitions (metadata shelfsync.partitions)"
+            ]
+        );
+    }
 }

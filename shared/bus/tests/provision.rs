@@ -2,7 +2,7 @@
 //! once it reaches its size limit.
 
 use async_nats::jetstream::{self, stream::DiscardPolicy};
-use shelfsync_bus::{Subjects, provision, stream_configs};
+use shelfsync_bus::{BusError, Difference, Subjects, provision, stream_configs, verify};
 use shelfsync_settings::Settings;
 use shelfsync_testkit::{NatsServer, unique_name};
 
@@ -118,6 +118,44 @@ async fn provisioning_again_applies_new_limits_to_existing_streams() -> anyhow::
     assert_eq!((cmd.max_bytes, cmd.discard), (8 * 1024 * 1024, DiscardPolicy::New));
     let rejects = js.get_stream(subjects.rejects_stream()).await?.info().await?.config.clone();
     assert_eq!((rejects.max_bytes, rejects.discard), (1024 * 1024, DiscardPolicy::Old));
+    Ok(())
+}
+
+#[tokio::test]
+async fn verify_names_every_difference_and_asks_for_setup() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let js = connect(&server).await?;
+    let mut s = settings(&unique_name());
+    // Nothing provisioned yet: every stream is missing.
+    let err = verify(&js, &s.nats, s.topology()).await.expect_err("no streams");
+    let BusError::Mismatch(found) = &err else { panic!("{err}") };
+    assert_eq!(found.len(), 5, "{err}");
+    assert!(found.iter().all(|d| matches!(d, Difference::Missing { .. })), "{err}");
+    assert!(err.to_string().contains("shelfsync setup"), "{err}");
+
+    provision(&js, &s.nats, s.topology()).await?;
+    verify(&js, &s.nats, s.topology()).await?;
+
+    // Settings that disagree with what setup wrote: each difference named.
+    s.nats.cmd_max_bytes = 2 << 20;
+    s.nats.duplicate_window = std::time::Duration::from_secs(7);
+    s.storage.partitions = 8;
+    let err = verify(&js, &s.nats, s.topology()).await.expect_err("differs");
+    let text = err.to_string();
+    let cmd = Subjects::new(&s.nats.prefix).cmd_stream();
+    for part in [
+        format!("stream {cmd}: max_bytes is 1073741824, the settings say 2097152"),
+        format!(
+            "stream {cmd}: partitions (metadata shelfsync.partitions) is 4, the settings say 8"
+        ),
+        "duplicate_window is 120s, the settings say 7s".to_string(),
+        "run `shelfsync setup`".to_string(),
+    ] {
+        assert!(text.contains(&part), "{part:?} missing from: {text}");
+    }
+    // Verifying wrote nothing.
+    let cmd_config = js.get_stream(&cmd).await?.info().await?.config.clone();
+    assert_eq!(cmd_config.max_bytes, 1 << 30);
     Ok(())
 }
 

@@ -8,7 +8,10 @@
 //! - [`Drain`]: the one stop signal a service hands to its tasks (HTTP
 //!   server, pollers, responders) instead of an ad-hoc channel;
 //! - [`Probes`]: `/healthz`, `/readyz` and Prometheus `/metrics`;
+//! - [`ApiTokens`] and [`protect`]: an HTTP API behind bearer tokens;
 //! - [`serve`]: an axum router on a listener until the drain starts;
+//!   [`serve_bounded`], the same for callers that may not be friendly
+//!   (connection cap, header and idle timeouts);
 //! - [`without_huge_pages`]: transparent huge pages off for the process
 //!   ([`start`] does it).
 //!
@@ -17,14 +20,18 @@
 //! drain when `shutdown` resolves and waits for its tasks.
 #![forbid(unsafe_code)]
 
+mod api_tokens;
 mod args;
+mod bounded;
 mod drain;
 mod pages;
 mod probes;
 mod serve;
 mod signal;
 
+pub use api_tokens::{ApiTokens, protect};
 pub use args::{ConfigArgs, main, start};
+pub use bounded::{ConnLimits, serve_bounded};
 pub use drain::Drain;
 pub use pages::without_huge_pages;
 pub use probes::{Probes, Readiness};

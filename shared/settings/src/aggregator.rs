@@ -25,6 +25,14 @@ pub struct AggregatorSettings {
     pub places: Vec<PlaceRegion>,
     /// Region of places not in the directory; unset: such places are ignored.
     pub default_region: Option<String>,
+    /// Bearer tokens the HTTP read API asks for (`Authorization: Bearer
+    /// <token>`; 401 without, 403 with another): a file, one token a line
+    /// (re-read when it changes; removing it revokes them), and/or an
+    /// environment variable naming them (read at start). Neither: the API
+    /// is open (behind the network policies). `/healthz`, `/readyz` and
+    /// `/metrics` stay open either way.
+    pub read_tokens_file: Option<std::path::PathBuf>,
+    pub read_tokens_env: Option<String>,
 }
 
 impl Default for AggregatorSettings {
@@ -34,6 +42,8 @@ impl Default for AggregatorSettings {
             http_listen: "127.0.0.1:8083".into(),
             places: Vec::new(),
             default_region: Some("default".into()),
+            read_tokens_file: None,
+            read_tokens_env: None,
         }
     }
 }

@@ -20,10 +20,28 @@ pub struct IngestSettings {
     /// `Shelfsync-Encoding` header) or `none`. Storage reads both.
     pub compression: Compression,
     /// Largest request body the push endpoint accepts, for partners that
-    /// set no `max_push_bytes` of their own (default 1 GiB). A larger
-    /// `Content-Length` is refused (413) before anything is read; a body
-    /// that grows past it fails the import (413, nothing swept).
+    /// set no `max_push_bytes` of their own (default 256 MiB: a full dump
+    /// of a million offers is about 100 MB; a partner with a larger one
+    /// gets its own limit). A larger `Content-Length` is refused (413)
+    /// before anything is read; a body that grows past it fails the import
+    /// (413, nothing swept).
     pub max_push_bytes: u64,
+    /// The push server: connections served at once (the others wait to be
+    /// accepted).
+    pub push_max_connections: usize,
+    /// The push server: a request's headers must be in within this (a
+    /// connection trickling them ties up nothing for long).
+    #[serde(with = "humantime_serde")]
+    pub push_header_timeout: Duration,
+    /// The push server: a kept-alive connection with no request in flight
+    /// is closed after this.
+    #[serde(with = "humantime_serde")]
+    pub push_idle_timeout: Duration,
+    /// A pushed body must be read whole within this, counted from its
+    /// request's start; later, the import fails (408, nothing swept).
+    /// 10 minutes is 256 MiB at 450 kB/s.
+    #[serde(with = "humantime_serde")]
+    pub push_body_timeout: Duration,
     /// How long a full import waits for storage to decide its sweeps
     /// (applied or held) before its report says "not decided yet".
     #[serde(with = "humantime_serde")]
@@ -34,6 +52,13 @@ pub struct IngestSettings {
     /// crash) loses it after this long.
     #[serde(with = "humantime_serde")]
     pub import_lease_ttl: Duration,
+    /// A place a partner's full imports carried is remembered (and sent a
+    /// sweep by every later full import, held when the dump lacks it) until
+    /// no full import has carried it for this long; 0 s: forever. The
+    /// default matches `storage.absent_ttl` (30 days), after which storage
+    /// has purged the place's absent records anyway.
+    #[serde(with = "humantime_serde")]
+    pub forget_places_after: Duration,
 }
 
 /// How ingest encodes the command batches it publishes.
@@ -65,9 +90,14 @@ impl Default for IngestSettings {
             max_item_bytes: 64 * 1024,
             batch_size: 1000,
             compression: Compression::Lz4,
-            max_push_bytes: 1024 * 1024 * 1024,
+            max_push_bytes: 256 * 1024 * 1024,
+            push_max_connections: 64,
+            push_header_timeout: Duration::from_secs(10),
+            push_idle_timeout: Duration::from_secs(30),
+            push_body_timeout: Duration::from_secs(600),
             sweep_report_wait: Duration::from_secs(60),
             import_lease_ttl: Duration::from_secs(30),
+            forget_places_after: Duration::from_secs(30 * 24 * 3600),
         }
     }
 }
@@ -80,6 +110,18 @@ impl IngestSettings {
         }
         if self.max_push_bytes == 0 {
             return Err(invalid("ingest.max_push_bytes", "must be at least 1"));
+        }
+        if self.push_max_connections == 0 {
+            return Err(invalid("ingest.push_max_connections", "must be at least 1"));
+        }
+        for (key, value) in [
+            ("ingest.push_header_timeout", self.push_header_timeout),
+            ("ingest.push_idle_timeout", self.push_idle_timeout),
+            ("ingest.push_body_timeout", self.push_body_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(invalid(key, "must be more than 0 s"));
+            }
         }
         if self.import_lease_ttl < Duration::from_secs(1) {
             return Err(invalid("ingest.import_lease_ttl", "must be at least 1s"));

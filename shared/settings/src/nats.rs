@@ -24,6 +24,12 @@ pub struct NatsSettings {
     pub token: Option<String>,
     /// A `.creds` file (NKey + JWT).
     pub credentials_file: Option<String>,
+    /// The subject prefix of this client's reply inboxes (JetStream API
+    /// replies, publish acks, pulled messages, request replies). The
+    /// shipped NATS users each get their own (`_INBOX_<user>`) and may
+    /// subscribe to nothing else under `_INBOX`, so one service cannot read
+    /// another's replies.
+    pub inbox_prefix: String,
     /// Require TLS to the server (also implied by `tls_ca_file` or a
     /// `tls://` URL).
     pub tls_required: bool,
@@ -67,6 +73,7 @@ impl Default for NatsSettings {
             password: None,
             token: None,
             credentials_file: None,
+            inbox_prefix: "_INBOX".into(),
             tls_required: false,
             tls_ca_file: None,
             tls_cert_file: None,
@@ -106,6 +113,12 @@ impl NatsSettings {
             return Err(invalid("nats.url", "no server URL"));
         }
         validate_prefix(&self.prefix)?;
+        if !valid_subject_tokens(&self.inbox_prefix) {
+            return Err(invalid(
+                "nats.inbox_prefix",
+                "must be dot-separated tokens of [A-Za-z0-9_-] (no wildcard)",
+            ));
+        }
         if !(1..=5).contains(&self.stream_replicas) {
             return Err(invalid("nats.stream_replicas", "must be between 1 and 5"));
         }
@@ -133,12 +146,15 @@ impl NatsSettings {
     }
 }
 
-fn validate_prefix(prefix: &str) -> Result<(), SettingsError> {
-    let ok = !prefix.is_empty()
+fn valid_subject_tokens(prefix: &str) -> bool {
+    !prefix.is_empty()
         && prefix.split('.').all(|t| {
             !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        });
-    if ok {
+        })
+}
+
+fn validate_prefix(prefix: &str) -> Result<(), SettingsError> {
+    if valid_subject_tokens(prefix) {
         Ok(())
     } else {
         Err(invalid("nats.prefix", "must be dot-separated tokens of [A-Za-z0-9_-]"))

@@ -78,6 +78,14 @@ pub struct StorageSettings {
     pub http_listen: String,
     /// Largest number of keys in one batch read, and of records in one page.
     pub read_max_batch: usize,
+    /// Bearer tokens the HTTP read API asks for (`Authorization: Bearer
+    /// <token>`; 401 without, 403 with another): a file, one token a line
+    /// (re-read when it changes; removing it revokes them), and/or an
+    /// environment variable naming them (read at start). Neither: the API
+    /// is open (behind the network policies). `/healthz`, `/readyz` and
+    /// `/metrics` stay open either way.
+    pub read_tokens_file: Option<std::path::PathBuf>,
+    pub read_tokens_env: Option<String>,
 }
 
 impl Default for StorageSettings {
@@ -102,6 +110,8 @@ impl Default for StorageSettings {
             max_message_bytes: 0,
             http_listen: "127.0.0.1:8081".into(),
             read_max_batch: 1000,
+            read_tokens_file: None,
+            read_tokens_env: None,
         }
     }
 }

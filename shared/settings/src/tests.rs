@@ -204,7 +204,7 @@ kind = "delta"
     assert_eq!(a.push_tokens_env.as_deref(), Some("A_PUSH_TOKENS"));
     assert!(a.push_enabled() && !b.push_enabled(), "no token source: push disabled");
     assert_eq!((a.push_limit(&s.ingest), b.push_limit(&s.ingest)), (10, 1000));
-    assert_eq!(Settings::default().ingest.max_push_bytes, 1 << 30, "1 GiB by default");
+    assert_eq!(Settings::default().ingest.max_push_bytes, 256 << 20, "256 MiB by default");
 }
 
 #[test]

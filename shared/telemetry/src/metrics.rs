@@ -64,6 +64,9 @@ pub mod names {
     /// Ingest: push requests refused, labels `partner` (a configured name,
     /// or `unknown`) and `reason`.
     pub const INGEST_PUSH_REFUSED: &str = "shelfsync_ingest_push_refused_total";
+    /// Gauge, per partner: the places ingest remembers its full imports
+    /// carried (each gets a sweep at every full import until forgotten).
+    pub const INGEST_KNOWN_PLACES: &str = "shelfsync_ingest_known_places";
     /// Feed kit: places reloaded after a digest mismatch.
     pub const FEED_DRIFT_REPAIRS: &str = "shelfsync_feed_drift_repairs_total";
     /// Feed kit: record versions delivered to the service's handler.
@@ -229,6 +232,10 @@ fn describe() {
         "When a partner's last import completed (Unix time)"
     );
     describe_gauge!(INGEST_POLL_INTERVAL, Unit::Seconds, "A polled partner's poll interval");
+    describe_gauge!(
+        INGEST_KNOWN_PLACES,
+        "Places a partner's full imports carried that ingest still remembers (ingest.forget_places_after)"
+    );
     describe_counter!(
         INGEST_PUSH_REFUSED,
         "Push requests refused by ingest (credentials, size), by partner and reason"

@@ -12,6 +12,15 @@ pub fn settings_env(s: &Settings) -> Vec<(String, String)> {
     vec![
         ("SHELFSYNC__NATS__URL".into(), s.nats.url.clone()),
         ("SHELFSYNC__NATS__PREFIX".into(), s.nats.prefix.clone()),
+        // The streams' shape: services verify the streams against it at start.
+        ("SHELFSYNC__NATS__STREAM_REPLICAS".into(), s.nats.stream_replicas.to_string()),
+        ("SHELFSYNC__NATS__DUPLICATE_WINDOW".into(), ms(s.nats.duplicate_window)),
+        ("SHELFSYNC__NATS__CHANGES_MAX_AGE".into(), ms(s.nats.changes_max_age)),
+        ("SHELFSYNC__NATS__CMD_MAX_BYTES".into(), s.nats.cmd_max_bytes.to_string()),
+        ("SHELFSYNC__NATS__CHANGES_MAX_BYTES".into(), s.nats.changes_max_bytes.to_string()),
+        ("SHELFSYNC__NATS__KEYFRAMES_MAX_BYTES".into(), s.nats.keyframes_max_bytes.to_string()),
+        ("SHELFSYNC__NATS__AGGREGATES_MAX_BYTES".into(), s.nats.aggregates_max_bytes.to_string()),
+        ("SHELFSYNC__NATS__REJECTS_MAX_BYTES".into(), s.nats.rejects_max_bytes.to_string()),
         ("SHELFSYNC__REDIS__URL".into(), s.redis.url.clone()),
         ("SHELFSYNC__REDIS__NAMESPACE".into(), s.redis.namespace.clone()),
         ("SHELFSYNC__REDIS__WAIT_REPLICAS".into(), s.redis.wait_replicas.to_string()),

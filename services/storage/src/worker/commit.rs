@@ -8,12 +8,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use shelfsync_bus::intake::{Intake, Pulled, Up};
 use shelfsync_proto::{PlaceKey, Rejection};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, info, warn};
 
-use super::intake::{Intake, Pulled, Up};
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
 use crate::apply::{Limits, Slot, apply_batch, reason};

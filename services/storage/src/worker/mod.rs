@@ -50,6 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use shelfsync_bus::intake::{Intake, Up};
 use shelfsync_bus::{Partition, Publisher, Subjects};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
@@ -66,7 +67,6 @@ use crate::store::{Store, StoreError, StreamBinding};
 
 mod commit;
 mod dead_letter;
-mod intake;
 mod keyframes;
 mod pressure;
 mod purge;
@@ -75,7 +75,6 @@ pub(crate) mod sweep;
 pub(crate) use pressure::Cause;
 use pressure::Pressure;
 
-use intake::{Intake, Up};
 use keyframes::{ChangedSinceFreeze, InHand, PlaceSnapshot};
 
 /// Longest wait between two attempts to bind the command consumer.
@@ -231,14 +230,7 @@ impl Worker {
             self.shared.subjects.cmd(self.partition),
             self.shared.subjects.cmd_sweep(self.partition),
         ];
-        let mut consumers = Vec::with_capacity(2);
-        for (name, subject) in self.consumer_names().into_iter().zip(subjects.clone()) {
-            // Not there is the usual case; anything else shows at the create.
-            let _ = stream.delete_consumer(&name).await;
-            let config = intake::consumer_config(name, subject, applied);
-            consumers.push(stream.create_consumer(config).await?);
-        }
-        let intake = Intake::start([&consumers[0], &consumers[1]], subjects, applied).await?;
+        let intake = Intake::bind(&stream, self.consumer_names(), subjects, applied).await?;
         Ok((stream, intake))
     }
 

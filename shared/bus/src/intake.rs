@@ -1,9 +1,11 @@
-//! How a partition's command messages come in, and go once applied.
+//! How a partition's command messages come in, and go once applied: what
+//! storage consumes the command stream with (and the benchmark's references,
+//! so that they pay what storage pays).
 //!
 //! The command stream keeps every message until storage purges it (limits
 //! retention): nothing is acked. Each owner of a partition reads it with two
 //! consumers of its own, one on the command subject and one on the sweep
-//! subject (`storage-p<N>-r<replica>` and `…-sweeps`), created when it binds
+//! subject (`storage-p<N>-r<replica>-<instance>` and `…-sweeps`), created when it binds
 //! at the partition's applied sequence + 1, without acks: so that it
 //! receives every message of the partition once, and a purge of one subject
 //! never moves the other's consumer (JetStream moves a consumer filtering on
@@ -41,7 +43,7 @@ const PURGE_EVERY: Duration = Duration::from_millis(250);
 const INACTIVE_THRESHOLD: Duration = Duration::from_secs(60);
 
 /// One message pulled and not applied yet.
-pub(super) struct Pulled {
+pub struct Pulled {
     pub msg: jetstream::Message,
     pub seq: u64,
     /// Attempts to apply it that failed (its dead-lettering counts these).
@@ -50,7 +52,7 @@ pub(super) struct Pulled {
 
 /// What to apply next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Up {
+pub enum Up {
     /// The first `n` command messages pulled (none of the sweep subject
     /// comes between them).
     Commands(usize),
@@ -93,7 +95,7 @@ impl Feed {
 }
 
 /// The partition's two consumers, what they pulled and what was purged.
-pub(super) struct Intake {
+pub struct Intake {
     commands: Feed,
     sweeps: Feed,
     /// The partition's applied sequence as far as this owner knows.
@@ -103,7 +105,7 @@ pub(super) struct Intake {
 
 /// The consumer config of an owner's consumer of `subject`, starting after
 /// `applied`.
-pub(super) fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config {
+fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config {
     pull::Config {
         description: Some(format!("shelfsync storage, {subject}")),
         // Durable, so that it is replicated like the stream (it survives the
@@ -136,14 +138,37 @@ async fn pull(
         .await
 }
 
+/// Why an intake could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("cannot create consumer {name}: {source}")]
+    Create { name: String, source: jetstream::stream::ConsumerError },
+    #[error("cannot pull: {0}")]
+    Pull(#[from] jetstream::consumer::StreamError),
+}
+
 impl Intake {
-    /// Pulls from the consumers of the command and sweep subjects
-    /// (`subjects`, in that order), the partition standing at `applied`.
-    pub(super) async fn start(
-        consumers: [&jetstream::consumer::PullConsumer; 2],
+    /// Creates the consumers `names` of the command and sweep subjects
+    /// (`subjects`, in that order) afresh at `applied` + 1 — consumers of
+    /// these names from before go first: their position is not the
+    /// caller's — and starts pulling from them.
+    pub async fn bind(
+        stream: &jetstream::stream::Stream,
+        names: [String; 2],
         subjects: [String; 2],
         applied: u64,
-    ) -> Result<Intake, jetstream::consumer::StreamError> {
+    ) -> Result<Intake, BindError> {
+        let mut consumers = Vec::with_capacity(2);
+        for (name, subject) in names.into_iter().zip(subjects.clone()) {
+            // Not there is the usual case; anything else shows at the create.
+            let _ = stream.delete_consumer(&name).await;
+            let config = consumer_config(name.clone(), subject, applied);
+            let consumer = stream
+                .create_consumer(config)
+                .await
+                .map_err(|source| BindError::Create { name, source })?;
+            consumers.push(consumer);
+        }
         let [commands, sweeps] = subjects;
         let feed = |subject, messages| Feed {
             subject,
@@ -154,19 +179,19 @@ impl Intake {
             dirty: true,
         };
         Ok(Intake {
-            commands: feed(commands, pull(consumers[0]).await?),
-            sweeps: feed(sweeps, pull(consumers[1]).await?),
+            commands: feed(commands, pull(&consumers[0]).await?),
+            sweeps: feed(sweeps, pull(&consumers[1]).await?),
             applied,
             last_purge: Instant::now(),
         })
     }
 
-    pub(super) fn has_pending(&self) -> bool {
+    pub fn has_pending(&self) -> bool {
         !self.commands.buffer.is_empty() || !self.sweeps.buffer.is_empty()
     }
 
     /// Waits for the next message of either subject and keeps it.
-    pub(super) async fn next(&mut self) -> Result<(), pull::MessagesError> {
+    pub async fn next(&mut self) -> Result<(), pull::MessagesError> {
         let (commands, sweeps) = (&mut self.commands, &mut self.sweeps);
         tokio::select! {
             m = commands.messages.next() => match m {
@@ -184,7 +209,7 @@ impl Intake {
     }
 
     /// Takes in what has been pulled already, without waiting.
-    pub(super) fn take_ready(&mut self, limit: usize) {
+    pub fn take_ready(&mut self, limit: usize) {
         self.commands.take_ready(limit);
         self.sweeps.take_ready(limit);
     }
@@ -193,7 +218,7 @@ impl Intake {
     /// in hand, the server says whether one of the other subject comes
     /// before them (a direct get: a message stored later has a higher
     /// sequence than every one in hand).
-    pub(super) async fn up(
+    pub async fn up(
         &self,
         stream: &jetstream::stream::Stream,
     ) -> Result<Up, jetstream::stream::DirectGetError> {
@@ -226,7 +251,7 @@ impl Intake {
     }
 
     /// The messages `up` names, in order.
-    pub(super) fn group(&mut self, up: Up) -> &[Pulled] {
+    pub fn group(&mut self, up: Up) -> &[Pulled] {
         match up {
             Up::Commands(n) => &self.commands.buffer.make_contiguous()[..n],
             Up::Sweep => &self.sweeps.buffer.make_contiguous()[..1],
@@ -235,7 +260,7 @@ impl Intake {
     }
 
     /// The first message of what `up` names failed once more.
-    pub(super) fn failed(&mut self, up: Up) {
+    pub fn failed(&mut self, up: Up) {
         let buffer = match up {
             Up::Commands(_) => &mut self.commands.buffer,
             Up::Sweep => &mut self.sweeps.buffer,
@@ -248,7 +273,7 @@ impl Intake {
 
     /// The first `taken` messages of what `up` names were applied (or
     /// skipped: applied before), the partition standing at `applied`.
-    pub(super) fn done(&mut self, up: Up, taken: usize, applied: u64) {
+    pub fn done(&mut self, up: Up, taken: usize, applied: u64) {
         let buffer = match up {
             Up::Commands(_) => &mut self.commands.buffer,
             Up::Sweep => &mut self.sweeps.buffer,
@@ -264,7 +289,7 @@ impl Intake {
 
     /// Whether the applied part of the stream should be purged now: idle
     /// (nothing pending), or not for a while.
-    pub(super) fn purge_due(&self) -> bool {
+    pub fn purge_due(&self) -> bool {
         let dirty = self.commands.dirty || self.sweeps.dirty;
         dirty
             && self.applied > 0
@@ -274,7 +299,7 @@ impl Intake {
     /// Purges what was applied from each subject (a purge of one subject
     /// moves its own consumer only, past nothing it has not delivered: all
     /// of it below the applied sequence is applied).
-    pub(super) async fn purge(
+    pub async fn purge(
         &mut self,
         stream: &jetstream::stream::Stream,
     ) -> Result<(), jetstream::stream::PurgeError> {
