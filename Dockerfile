@@ -22,6 +22,10 @@ ENV CARGO_TERM_COLOR=never \
     CARGO_INCREMENTAL=0
 # The whole workspace (see .dockerignore): every member must be present for cargo to resolve it.
 COPY . .
+# The git commit the binaries report (`vcs.ref.head.revision` on their spans, the `revision` label of
+# shelfsync_build_info): the build context has no .git, so give it, e.g.
+# `docker build --build-arg SHELFSYNC_GIT_COMMIT=$(git rev-parse HEAD) .`; empty: `unknown`.
+ARG SHELFSYNC_GIT_COMMIT=""
 # The registry, git checkouts and the target dir are BuildKit cache mounts: a rebuild after a code
 # change recompiles only what changed. The cache mount is not part of the image, so the binaries
 # are copied out of it in the same step.

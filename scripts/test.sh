@@ -11,6 +11,8 @@ export SHELFSYNC_NATS_SERVER="$NATS"
 # The house rules, checked first: a rule CI does not check drifts within days.
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# The wire contract: buf lint, and buf breaking against the last released contract.
+scripts/check-proto.sh
 
 # Binaries first: crash tests run the real shelfsync-storage.
 cargo build --workspace --bins

@@ -30,8 +30,8 @@ pub use context::Context;
 pub use error::{CliError, EXIT_CODES, exit_code};
 
 /// Operate a shelfsync deployment: create its streams, run imports, read
-/// records, watch changes, release held sweeps, re-drive dead letters,
-/// check settings, generate demo feeds.
+/// records, watch changes and consumers, release held sweeps, re-drive dead
+/// letters, check settings, generate demo feeds.
 #[derive(Debug, Parser)]
 #[command(name = "shelfsync", version, propagate_version = true, after_help = EXIT_CODES)]
 pub struct Cli {
@@ -75,6 +75,9 @@ pub enum Command {
     GenFeed(cmd::gen_feed::Args),
     /// Stream sizes, storage lag and outbox depth.
     Stats(cmd::stats::Args),
+    /// Every consumer of every stream as JetStream reports it: pending,
+    /// ack pending, redeliveries, last delivery and ack.
+    Consumers(cmd::consumers::Args),
     /// Wait until storage has applied every queued command.
     Wait(cmd::wait::Args),
     /// List the sweeps storage held instead of applying them, or show what
@@ -111,6 +114,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tail(args) => cmd::tail::run(&ctx()?, args).await,
         Command::Keyframe(args) => cmd::keyframe::run(&ctx()?, args).await,
         Command::Stats(args) => cmd::stats::run(&ctx()?, args).await,
+        Command::Consumers(args) => cmd::consumers::run(&ctx()?, args).await,
         Command::Wait(args) => cmd::wait::run(&ctx()?, args).await,
         Command::Sweeps(args) => cmd::sweep::run(&ctx()?, args).await,
         Command::Sweep(args) => cmd::sweep::release(&ctx()?, args).await,

@@ -251,6 +251,100 @@ async fn setup_is_idempotent_and_creates_the_three_streams() -> anyhow::Result<(
     Ok(())
 }
 
+/// `consumers` reports what JetStream itself knows of each consumer: a
+/// stalled one (created, never pulled) has every message pending and was
+/// never delivered to; one that took a message and never acked it has it
+/// ack-pending and redelivered; one that acked everything has nothing
+/// pending and a last ack. Before `setup` there is nothing to list (exit 3).
+#[tokio::test]
+async fn consumers_shows_pending_redeliveries_and_last_activity_from_jetstream()
+-> anyhow::Result<()> {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use futures::StreamExt;
+
+    let env = TestEnv::start().await?;
+    let (c, e) = code(&run(&env, &["consumers"]).await?);
+    assert_eq!(c, Some(3), "{e}");
+    assert!(e.contains("shelfsync setup"), "{e}");
+
+    ok(&env, &["setup"]).await?;
+    let subjects = Subjects::new(&env.prefix);
+    let js = jetstream(&env).await?;
+    let key = RecordKey::new(7, 1, "rose");
+    for seq in 1..=3 {
+        let payload = created(&key, seq).encode_to_vec();
+        publish(&js, subjects.changes(7, 1), msg_type::CHANGE_BATCH, payload).await?;
+    }
+    let changes = js.get_stream(subjects.changes_stream()).await?;
+    let durable = |name: &str, ack_wait: Duration| pull::Config {
+        durable_name: Some(name.into()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait,
+        ..Default::default()
+    };
+    changes.create_consumer(durable("stalled", Duration::from_secs(30))).await?;
+    // Takes one message, never acks it, and takes it again once it is due
+    // (one in flight at most: the second pull waits for the redelivery).
+    let slow = pull::Config { max_ack_pending: 1, ..durable("slow", Duration::from_secs(1)) };
+    let slow = changes.create_consumer(slow).await?;
+    for _ in 0..2 {
+        let mut batch =
+            slow.batch().max_messages(1).expires(Duration::from_secs(5)).messages().await?;
+        batch.next().await.context("a message for `slow`")?.map_err(|e| anyhow::anyhow!(e))?;
+    }
+    let done = changes.create_consumer(durable("done", Duration::from_secs(30))).await?;
+    let mut batch = done.fetch().max_messages(3).messages().await?;
+    while let Some(msg) = batch.next().await {
+        msg.map_err(|e| anyhow::anyhow!(e))?.double_ack().await.map_err(|e| anyhow::anyhow!(e))?;
+    }
+
+    let report: Value = serde_json::from_str(&ok(&env, &["consumers", "--json"]).await?)?;
+    let by_name = |name: &str| -> anyhow::Result<Value> {
+        let all = report["consumers"].as_array().context("consumers")?;
+        all.iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .with_context(|| format!("{name}: {report:#}"))
+    };
+    let stalled = by_name("stalled")?;
+    assert_eq!(stalled["stream"], subjects.changes_stream());
+    assert_eq!(stalled["role"], "changes");
+    assert_eq!(stalled["durable"], true);
+    assert_eq!((&stalled["pending"], &stalled["ack_pending"]), (&3.into(), &0.into()));
+    assert!(stalled["last_delivered"].is_null() && stalled["last_acked"].is_null(), "{stalled:#}");
+    let slow = by_name("slow")?;
+    assert_eq!(slow["pending"], 2, "{slow:#}");
+    assert_eq!(slow["ack_pending"], 1, "{slow:#}");
+    assert_eq!(slow["redelivered"], 1, "{slow:#}");
+    assert_eq!(slow["delivered_seq"], 1, "{slow:#}");
+    assert!(slow["last_delivered"].is_string() && slow["last_acked"].is_null(), "{slow:#}");
+    let done = by_name("done")?;
+    assert_eq!((&done["pending"], &done["ack_pending"]), (&0.into(), &0.into()), "{done:#}");
+    assert_eq!(done["ack_floor_seq"], 3, "{done:#}");
+    assert!(done["last_acked_ago_s"].as_f64().is_some_and(|s| s < 60.0), "{done:#}");
+    // Storage's consumers of CMD are listed too when they exist; here none.
+    assert_eq!(report["consumers"].as_array().map(Vec::len), Some(3), "{report:#}");
+
+    let table = ok(&env, &["consumers"]).await?;
+    let row = table.lines().find(|l| l.contains("stalled")).context(table.clone())?;
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[..4], ["changes", "stalled", "3", "0"], "{table}");
+    assert!(row.contains("never") && row.ends_with("durable"), "{table}");
+    assert!(table.contains("ack pending") && table.contains("last acked"), "{table}");
+
+    // One stream, by role or by name; a stream that is not one of ours is bad input.
+    let only: Value = serde_json::from_str(
+        &ok(&env, &["consumers", "--stream", &subjects.changes_stream(), "--json"]).await?,
+    )?;
+    assert_eq!(only["consumers"].as_array().map(Vec::len), Some(3), "{only:#}");
+    let none: Value =
+        serde_json::from_str(&ok(&env, &["consumers", "--stream", "cmd", "--json"]).await?)?;
+    assert_eq!(none["consumers"].as_array().map(Vec::len), Some(0), "{none:#}");
+    let (c, e) = code(&run(&env, &["consumers", "--stream", "nope"]).await?);
+    assert_eq!(c, Some(2), "{e}");
+    Ok(())
+}
+
 /// `--config` given twice, or `SHELFSYNC_CONFIG` with two files: the second
 /// file overrides the first key by key.
 #[tokio::test]

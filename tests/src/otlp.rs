@@ -2,10 +2,12 @@
 //! real service's exporter at an `https` collector: gRPC (the collector's
 //! `TraceService`, served by tonic) or HTTP/protobuf (`POST /v1/traces`,
 //! served by axum), behind one rustls acceptor on a free loopback port. It
-//! tells what arrived (service and span names), which handshakes failed and
+//! tells what arrived (service and span names, and every resource's
+//! attributes), which handshakes failed and
 //! why, and which client certificates were shown — so a test can tell "no
 //! TLS" from "TLS refused" from "spans lost".
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,6 +54,14 @@ pub struct ReceivedSpan {
     pub name: String,
 }
 
+/// The attributes of one resource that sent spans, as text (string values
+/// as they are, others in their debug form).
+pub type ResourceAttributes = BTreeMap<String, String>;
+
+/// Every resource seen, in order of arrival (one per export request and
+/// resource in it).
+type Resources = Arc<Mutex<Vec<ResourceAttributes>>>;
+
 /// What the TLS acceptor saw.
 #[derive(Debug, Default)]
 struct Handshakes {
@@ -68,6 +78,7 @@ pub struct TlsReceiver {
     spans: mpsc::UnboundedReceiver<ReceivedSpan>,
     received: Vec<ReceivedSpan>,
     handshakes: Arc<Mutex<Handshakes>>,
+    resources: Resources,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -86,12 +97,22 @@ impl TlsReceiver {
         let handshakes = Arc::new(Mutex::new(Handshakes::default()));
         let (conn_tx, conn_rx) = mpsc::unbounded_channel();
         let (span_tx, spans) = mpsc::unbounded_channel();
+        let resources = Resources::default();
+        let sink = Sink { spans: span_tx, resources: resources.clone() };
         let accept = tokio::spawn(accept_loop(tcp, acceptor, handshakes.clone(), conn_tx));
         let serve = match wire {
-            Wire::Grpc => tokio::spawn(serve_grpc(conn_rx, span_tx)),
-            Wire::HttpProtobuf => tokio::spawn(serve_http(conn_rx, span_tx)),
+            Wire::Grpc => tokio::spawn(serve_grpc(conn_rx, sink)),
+            Wire::HttpProtobuf => tokio::spawn(serve_http(conn_rx, sink)),
         };
-        Ok(Self { addr, wire, spans, received: Vec::new(), handshakes, tasks: vec![accept, serve] })
+        Ok(Self {
+            addr,
+            wire,
+            spans,
+            received: Vec::new(),
+            handshakes,
+            resources,
+            tasks: vec![accept, serve],
+        })
     }
 
     /// The endpoint to give the exporter (`OTEL_EXPORTER_OTLP_ENDPOINT`).
@@ -130,6 +151,11 @@ impl TlsReceiver {
     /// The client certificate (DER) each accepted connection showed.
     pub fn client_certificates(&self) -> Vec<Option<Vec<u8>>> {
         self.handshakes.lock().expect("handshakes").client_certificates.clone()
+    }
+
+    /// The attributes of every resource that sent spans so far.
+    pub fn resources(&self) -> Vec<ResourceAttributes> {
+        self.resources.lock().expect("resources").clone()
     }
 }
 
@@ -211,30 +237,43 @@ pub fn der_of(pem_file: &str) -> anyhow::Result<Vec<u8>> {
     Ok(CertificateDer::from_pem_file(pem_file).context("certificate")?.as_ref().to_vec())
 }
 
-/// The spans of one export request, by service.
-fn spans_of(request: ExportTraceServiceRequest) -> Vec<ReceivedSpan> {
-    let mut out = Vec::new();
-    for rs in request.resource_spans {
-        let service = rs
-            .resource
-            .iter()
-            .flat_map(|r| &r.attributes)
-            .find(|kv| kv.key == "service.name")
-            .and_then(|kv| kv.value.as_ref()?.value.as_ref())
-            .map(|v| match v {
-                Value::StringValue(s) => s.clone(),
-                other => format!("{other:?}"),
-            })
-            .unwrap_or_default();
-        for span in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
-            out.push(ReceivedSpan { service: service.clone(), name: span.name });
+/// Where the servers put what arrives: spans to the test's channel,
+/// resources to the shared list.
+#[derive(Clone)]
+struct Sink {
+    spans: mpsc::UnboundedSender<ReceivedSpan>,
+    resources: Resources,
+}
+
+impl Sink {
+    /// Takes the spans of one export request, by service, and its
+    /// resources.
+    fn take(&self, request: ExportTraceServiceRequest) {
+        for rs in request.resource_spans {
+            let attributes: ResourceAttributes = rs
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .map(|kv| {
+                    let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                        Some(Value::StringValue(s)) => s.clone(),
+                        Some(other) => format!("{other:?}"),
+                        None => String::new(),
+                    };
+                    (kv.key.clone(), value)
+                })
+                .collect();
+            let service = attributes.get("service.name").cloned().unwrap_or_default();
+            self.resources.lock().expect("resources").push(attributes);
+            for span in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
+                let _ = self.spans.send(ReceivedSpan { service: service.clone(), name: span.name });
+            }
         }
     }
-    out
 }
 
 /// The collector's gRPC `TraceService`: hands every span to the test.
-struct Collector(mpsc::UnboundedSender<ReceivedSpan>);
+struct Collector(Sink);
 
 #[tonic::async_trait]
 impl TraceService for Collector {
@@ -242,38 +281,34 @@ impl TraceService for Collector {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        for span in spans_of(request.into_inner()) {
-            let _ = self.0.send(span);
-        }
+        self.0.take(request.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
 
 type Conns = mpsc::UnboundedReceiver<(TlsStream<TcpStream>, SocketAddr)>;
 
-async fn serve_grpc(conns: Conns, spans: mpsc::UnboundedSender<ReceivedSpan>) {
+async fn serve_grpc(conns: Conns, sink: Sink) {
     let incoming = futures::stream::unfold(conns, |mut conns| async move {
         let (tls, _) = conns.recv().await?;
         Some((Ok::<_, std::io::Error>(tls), conns))
     });
     let _ = tonic::transport::Server::builder()
-        .add_service(TraceServiceServer::new(Collector(spans)))
+        .add_service(TraceServiceServer::new(Collector(sink)))
         .serve_with_incoming(incoming)
         .await;
 }
 
-async fn serve_http(conns: Conns, spans: mpsc::UnboundedSender<ReceivedSpan>) {
+async fn serve_http(conns: Conns, sink: Sink) {
     let app = axum::Router::new().route(
         "/v1/traces",
         axum::routing::post(move |body: axum::body::Bytes| {
-            let spans = spans.clone();
+            let sink = sink.clone();
             async move {
                 let Ok(request) = ExportTraceServiceRequest::decode(body) else {
                     return (axum::http::StatusCode::BAD_REQUEST, Vec::new());
                 };
-                for span in spans_of(request) {
-                    let _ = spans.send(span);
-                }
+                sink.take(request);
                 (axum::http::StatusCode::OK, ExportTraceServiceResponse::default().encode_to_vec())
             }
         }),

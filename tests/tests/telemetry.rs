@@ -292,8 +292,9 @@ async fn one_push_is_one_trace_from_the_client_through_storage_to_a_consumer() {
     let (code, metrics) = http_get(ingest_addr, "/metrics").await.expect("/metrics");
     assert_eq!(code, 200);
     let build_info = format!(
-        "shelfsync_build_info{{version=\"{}\",service=\"shelfsync-tests\"}} 1",
-        env!("CARGO_PKG_VERSION")
+        "shelfsync_build_info{{version=\"{}\",revision=\"{}\",service=\"shelfsync-tests\"}} 1",
+        env!("CARGO_PKG_VERSION"),
+        shelfsync_telemetry::REVISION.unwrap_or("unknown")
     );
     let pushed = format!(
         "shelfsync_http_requests_total{{method=\"POST\",status=\"200\",endpoint=\"{PUSH_ROUTE}\"}} 1"

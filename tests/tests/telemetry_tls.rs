@@ -5,8 +5,11 @@
 //! HTTP/protobuf.
 //!
 //! - With the CA in `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE` (the traces
-//!   variable wins) the storage spans of that command arrive; with a client
-//!   certificate too, a receiver that requires one gets exactly it.
+//!   variable wins) the storage spans of that command arrive, every one with
+//!   the build's `service.version` on its resource (and its git revision
+//!   when the build knew it), besides what `OTEL_RESOURCE_ATTRIBUTES` adds;
+//!   with a client certificate too, a receiver that requires one gets
+//!   exactly it.
 //! - Without the CA the handshake fails (the receiver sees it refused), the
 //!   commands are applied all the same, the failure is in the service's
 //!   log, and SIGTERM still stops the service promptly — also when spans
@@ -115,6 +118,9 @@ fn otel_vars<'a>(
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", receiver.wire().protocol()),
         ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+        // As the deployments set them; a version given here loses to the
+        // build's own.
+        ("OTEL_RESOURCE_ATTRIBUTES", "k8s.pod.name=storage-0,service.version=9.9.9"),
     ];
     vars.extend_from_slice(extra);
     vars
@@ -161,6 +167,15 @@ async fn spans_arrive(mut receiver: TlsReceiver, tls: &[(&str, &str)]) -> TlsRec
         assert!(got.contains(w), "{w:?} did not arrive; got {got:#?}\nlog:\n{}", run.storage.log());
     }
     assert!(receiver.failed_handshakes().is_empty(), "{:?}", receiver.failed_handshakes());
+    let resources = receiver.resources();
+    assert!(!resources.is_empty());
+    for resource in &resources {
+        let get = |key: &str| resource.get(key).map(String::as_str);
+        assert_eq!(get("service.name"), Some("shelfsync-storage"), "{resource:?}");
+        assert_eq!(get("service.version"), Some(env!("CARGO_PKG_VERSION")), "{resource:?}");
+        assert_eq!(get("vcs.ref.head.revision"), shelfsync_telemetry::REVISION, "{resource:?}");
+        assert_eq!(get("k8s.pod.name"), Some("storage-0"), "{resource:?}");
+    }
     let (status, took) = run.storage.stop().await;
     assert!(status.success(), "{status:?}\nlog:\n{}", run.storage.log());
     eprintln!("{:?}: spans arrived; stopped in {took:?}", receiver.wire());

@@ -5,6 +5,7 @@
 
 pub mod completions;
 pub mod config;
+pub mod consumers;
 pub mod dead_letters;
 pub mod gen_feed;
 pub mod get;
@@ -19,5 +20,6 @@ pub mod wait;
 
 /// Requests to storage over core NATS.
 mod rpc;
-/// Stream names and states shared by `setup`, `stats` and the readers.
+/// Stream names and states shared by `setup`, `stats`, `consumers` and the
+/// readers.
 mod streams;

@@ -77,7 +77,8 @@ pub async fn state(js: &jetstream::Context, name: &str) -> anyhow::Result<Option
     }))
 }
 
-fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+/// True when JetStream says the stream does not exist.
+pub fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(
         e.kind(),
         GetStreamErrorKind::JetStream(err)

@@ -1,13 +1,38 @@
 //! "Discounted picks": an example of a service built on the ChangeFeed kit,
-//! short enough to read in a few minutes. Per place, it keeps the offers
-//! that are visible, present, in stock and discounted (`old_price > price`),
-//! and serves them deepest discount first:
+//! short enough to read in a few minutes, and the template a consumer team
+//! copies. Per place, it keeps the offers that are visible, present, in
+//! stock and discounted (`old_price > price`), and serves them deepest
+//! discount first:
 //!
 //! `GET /v1/picks/{brand}/{place}` → `[{"product_id", "title", "price", "old_price", "discount_pct"}]`
-//! (and `/healthz`, `/readyz`, Prometheus `/metrics`)
+//! (and `/healthz`, `/readyz`, Prometheus `/metrics` with the kit's
+//! `shelfsync_feed_*` counters)
 //!
 //! Everything it knows comes from the change stream; it keeps no state of
 //! its own (the kit bootstraps it from a keyframe at every start).
+//!
+//! **One durable consumer per replica**, named `picks-<host>-<random>`
+//! ([`consumer_name`]). Every replica holds the *whole* state in memory and
+//! serves any place, so every replica must see every change: a consumer
+//! shared by the replicas would hand each message to one of them only
+//! (JetStream spreads a consumer's messages over whoever pulls), and each
+//! would hold a different, incomplete picture — until a keyframe marker,
+//! which too reaches only one of them. The name must also differ between
+//! replicas that start at the same time on different hosts or in
+//! different containers: a process id does not (in a container every
+//! replica is PID 1, so two replicas shared `picks-1`, each start deleted
+//! the other's consumer, and they split its messages). The host name (the
+//! pod's name on Kubernetes) says which replica a consumer belongs to in
+//! `shelfsync consumers`; the random part keeps two processes with one host
+//! name (host networking, a fixed compose `hostname`, two on a laptop)
+//! apart. The kit recreates the consumer from the keyframes it loaded at
+//! every start; a replica that stops deletes its consumer (the name is
+//! never used again), and one that dies leaves it to the server, which
+//! deletes it after an hour without a pull (the kit's `inactive_threshold`).
+//!
+//! A shared durable (`Bootstrap::Resume`, one name for every replica) is
+//! right for the other kind of service: stateless workers that split the
+//! changes between them (the validator).
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap};
@@ -95,10 +120,44 @@ impl Handler for Picks {
     }
 }
 
+/// The durable consumer name of one replica: `picks-<host>-<random>`, the
+/// host name cut to what a consumer name may hold (letters, digits, `-`,
+/// `_`; at most 40 of them) and 64 random bits (see the module docs for
+/// why both). `host` is the host name of the process ([`host_name`]: the
+/// pod name on Kubernetes, the container id under Docker).
+pub fn consumer_name(host: Option<&str>) -> String {
+    let host: String = host
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .take(40)
+        .collect();
+    let random: u64 = rand::random();
+    if host.is_empty() {
+        format!("picks-{random:016x}")
+    } else {
+        format!("picks-{host}-{random:016x}")
+    }
+}
+
+/// The host name, as the kernel has it, else `HOSTNAME`; `None` when
+/// neither says.
+pub fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+}
+
 /// The HTTP API over the picks, with the probes: ready once the feed has
-/// bootstrapped.
+/// bootstrapped; each scrape publishes the feed's counters first (the
+/// kit's `shelfsync_feed_*` metrics).
 fn router(picks: Picks, status: Arc<FeedStatus>) -> Router {
-    let probes = Probes::new(move || Readiness::from_bool(status.is_bootstrapped()));
+    let ready = status.clone();
+    let probes = Probes::new(move || Readiness::from_bool(ready.is_bootstrapped()))
+        .refresh_metrics(move || status.record_metrics());
     Router::new()
         .route(
             "/v1/picks/{brand}/{place}",
@@ -121,10 +180,11 @@ pub struct App {
 
 impl App {
     /// Connects to NATS (retrying in the background) and binds `listen`.
+    /// The replica's consumer is named after its host ([`consumer_name`]).
     pub async fn build(settings: Settings, listen: &str) -> anyhow::Result<App> {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
-        // One consumer per instance: each rebuilds its picks from a keyframe.
-        let name = format!("picks-{}", std::process::id());
+        // One consumer per replica: each rebuilds all its picks from a keyframe.
+        let name = consumer_name(host_name().as_deref());
         let cfg = FeedConfig {
             metric_label: "picks".into(),
             keyframe_responders: settings.topology().storage_replicas,
@@ -144,6 +204,16 @@ impl App {
     pub fn picks(&self) -> Picks {
         self.picks.clone()
     }
+
+    /// The feed's counters (bootstrapped, delivered, keyframe checks…).
+    pub fn status(&self) -> Arc<FeedStatus> {
+        self.feed.status()
+    }
+
+    /// This replica's durable consumer on the CHANGES stream.
+    pub fn consumer(&self) -> &str {
+        self.feed.name()
+    }
 }
 
 impl Service for App {
@@ -154,11 +224,17 @@ impl Service for App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let App { client, mut feed, picks, http } = self;
+        tracing::info!(consumer = %feed.name(), "picks starting");
         let drain = Drain::new();
         let http = serve(http, router(picks.clone(), feed.status()), &drain);
         let mut handler = picks;
         let fed = feed.run(&mut handler, shutdown).await;
         drain.start();
+        // The consumer is this replica's alone and its name is never used
+        // again: a stopped replica leaves nothing behind.
+        if let Err(e) = feed.delete_consumer().await {
+            tracing::warn!(error = %shelfsync_telemetry::chain(&e), "cannot delete the consumer; the server drops it after an hour unused");
+        }
         http.await??;
         shelfsync_bus::close(&client).await;
         Ok(fed?)
@@ -191,6 +267,23 @@ mod tests {
             },
             kind: UpdateKind::Updated,
             origin: None,
+        }
+    }
+
+    #[test]
+    fn consumer_names_differ_between_replicas_on_one_host() {
+        // Two containers: the same process id, possibly the same host name.
+        let (a, b) = (consumer_name(Some("picks-7d9f-x2")), consumer_name(Some("picks-7d9f-x2")));
+        assert_ne!(a, b);
+        assert!(a.starts_with("picks-picks-7d9f-x2-"), "{a}");
+        // What a consumer name may not hold is replaced; long names are cut.
+        let odd = consumer_name(Some("web.example.com/a b*>"));
+        assert!(odd.starts_with("picks-web_example_com_ab__-"), "{odd}");
+        assert!(consumer_name(Some(&"h".repeat(300))).len() <= "picks-".len() + 40 + 1 + 16);
+        let bare = consumer_name(None);
+        assert_eq!(bare.len(), "picks-".len() + 16, "{bare}");
+        for name in [a, odd, bare] {
+            assert!(!name.contains(['.', '*', '>', ' ', '/', '\\']), "{name}");
         }
     }
 

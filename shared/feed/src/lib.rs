@@ -207,6 +207,29 @@ impl ChangeFeed {
         self.status.clone()
     }
 
+    /// The durable consumer's name.
+    pub fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    /// Deletes the feed's durable consumer, when it is this instance's own
+    /// and the instance stops for good (a name that is never used again:
+    /// nothing is left behind for the server to expire). One that is gone
+    /// already is no error. A feed run after this starts from new changes
+    /// only: never call it on a consumer that replicas share.
+    pub async fn delete_consumer(&self) -> Result<(), FeedError> {
+        let err = |e: &dyn std::fmt::Display| {
+            FeedError::Nats(format!("deleting consumer {}: {e}", self.cfg.name))
+        };
+        let stream =
+            self.js.get_stream(self.subjects.changes_stream()).await.map_err(|e| err(&e))?;
+        match stream.delete_consumer(&self.cfg.name).await {
+            Ok(_) => Ok(()),
+            Err(e) if is_consumer_not_found(&e) => Ok(()),
+            Err(e) => Err(err(&e)),
+        }
+    }
+
     /// Bootstraps (per the config), then applies changes until `shutdown`
     /// resolves. Run again after a stop, it resumes where it stopped with
     /// the state it had (no second bootstrap).
@@ -562,6 +585,15 @@ impl ChangeFeed {
         }
         Ok(())
     }
+}
+
+/// True when JetStream says the consumer does not exist.
+fn is_consumer_not_found(e: &jetstream::stream::ConsumerError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::stream::ConsumerErrorKind::JetStream(err)
+            if err.error_code() == jetstream::ErrorCode::CONSUMER_NOT_FOUND
+    )
 }
 
 /// `(brand, place)` from `<prefix>.changes.<brand>.<place>`.

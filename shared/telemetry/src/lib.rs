@@ -23,6 +23,14 @@
 //! - [`instrument`]: server spans and HTTP metrics for an axum router.
 //! - [`render_metrics`]: the Prometheus text of every `metrics` metric of
 //!   the process, process metrics included; metric names are in [`names`].
+//! - [`VERSION`] / [`REVISION`]: what was built. On every span as the
+//!   resource's `service.version` (and `vcs.ref.head.revision`); in
+//!   Prometheus once per process, as the labels of
+//!   `shelfsync_build_info{version, revision, service} 1`, which every
+//!   other series of the process joins on its `job` and `instance` (the
+//!   Prometheus way: a version label on every series would split each
+//!   series at every upgrade and every query would have to aggregate it
+//!   away; see docs/OPERATE.md, "Versions").
 #![forbid(unsafe_code)]
 
 mod chain;
@@ -61,6 +69,14 @@ pub use crate::propagation::{
 pub use opentelemetry::Context;
 #[doc(hidden)]
 pub use tracing;
+
+/// The version of the binaries (the workspace's): every span's
+/// `service.version`, the `version` label of `shelfsync_build_info`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The git commit the binaries were built from, when the build knew it
+/// (`SHELFSYNC_GIT_COMMIT`, or git in a release build: see `build.rs`).
+pub const REVISION: Option<&str> = option_env!("SHELFSYNC_REVISION");
 
 /// How long dropping the guard waits for the last spans to be exported.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
@@ -199,6 +215,22 @@ fn service_name(default: &str) -> String {
         .unwrap_or_else(|| default.to_string())
 }
 
+/// What every span of the process says of it: `service.name`, and the
+/// build's `service.version` (and `vcs.ref.head.revision` when known),
+/// which win over the same keys in `OTEL_RESOURCE_ATTRIBUTES`: the binary
+/// knows what it is. Other attributes of that variable are kept (pod name,
+/// namespace).
+pub fn resource(service: &str) -> Resource {
+    let mut builder = Resource::builder()
+        .with_service_name(service.to_string())
+        .with_attribute(opentelemetry::KeyValue::new("service.version", VERSION));
+    if let Some(revision) = REVISION {
+        builder =
+            builder.with_attribute(opentelemetry::KeyValue::new("vcs.ref.head.revision", revision));
+    }
+    builder.build()
+}
+
 /// The tracer provider with the configured sampler: with a batch OTLP
 /// exporter when an endpoint is set and a runtime is there to drive it,
 /// else one that records span ids only. The second value says whether it
@@ -208,9 +240,9 @@ fn tracer_provider(
     opts: &Options,
     tls: &ExportTls,
 ) -> (SdkTracerProvider, bool, Option<String>) {
-    let resource = Resource::builder().with_service_name(service.to_string()).build();
-    let builder =
-        SdkTracerProvider::builder().with_resource(resource).with_sampler(opts.sampler.clone());
+    let builder = SdkTracerProvider::builder()
+        .with_resource(resource(service))
+        .with_sampler(opts.sampler.clone());
     let Some(endpoint) = &opts.otlp_endpoint else {
         return (builder.build(), false, None);
     };
@@ -296,6 +328,17 @@ macro_rules! process_span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_resource_says_which_build_runs() {
+        let resource = resource("shelfsync-unit");
+        let get = |key: &'static str| {
+            resource.get(&opentelemetry::Key::from_static_str(key)).map(|v| v.to_string())
+        };
+        assert_eq!(get("service.name").as_deref(), Some("shelfsync-unit"));
+        assert_eq!(get("service.version").as_deref(), Some(env!("CARGO_PKG_VERSION")));
+        assert_eq!(get("vcs.ref.head.revision").as_deref(), REVISION);
+    }
 
     /// The only test of this binary that installs the global subscriber.
     #[test]

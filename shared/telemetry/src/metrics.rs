@@ -19,7 +19,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 /// metrics are its own alone keeps them in its own `metrics` module (the
 /// aggregator's, the recommender's).
 pub mod names {
-    /// 1, labels `version` (the workspace version) and `service`.
+    /// 1, labels `version` (the workspace version), `revision` (the git
+    /// commit built, `unknown` when the build did not know it) and
+    /// `service`: what every other series of the process joins on.
     pub const BUILD_INFO: &str = "shelfsync_build_info";
     /// HTTP servers: requests answered, labels `method`, `status`,
     /// `endpoint` (the route template). Recorded by `axum-prometheus`.
@@ -188,13 +190,15 @@ pub fn render_metrics_after(update: impl FnOnce()) -> String {
     render_metrics()
 }
 
-/// Sets `shelfsync_build_info{version, service}` to 1: what runs where,
-/// to join on in queries and dashboards.
+/// Sets `shelfsync_build_info{version, revision, service}` to 1: what runs
+/// where, to join on in queries and dashboards
+/// (`… * on (job, instance) group_left (version, revision) shelfsync_build_info`).
 pub fn set_build_info(service: &str) {
     install_metrics();
     metrics::gauge!(
         names::BUILD_INFO,
-        "version" => env!("CARGO_PKG_VERSION"),
+        "version" => crate::VERSION,
+        "revision" => crate::REVISION.unwrap_or("unknown"),
         "service" => service.to_string()
     )
     .set(1.0);
@@ -204,7 +208,7 @@ fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     use names::*;
     PROCESS.describe();
-    describe_gauge!(BUILD_INFO, "1, labelled with the version and the service");
+    describe_gauge!(BUILD_INFO, "1, labelled with the version, the git revision and the service");
     describe_counter!(COMMANDS_APPLIED, "Commands applied by storage (unchanged ones included)");
     describe_counter!(COMMANDS_UNCHANGED, "Applied commands that changed nothing observable");
     describe_counter!(CHANGES_EMITTED, "Record changes emitted by storage");
@@ -313,8 +317,9 @@ mod tests {
         let text = render_metrics();
         assert!(text.contains("shelfsync_rejects_total{reason=\"unit_test\"} 2"), "{text}");
         let build = format!(
-            "shelfsync_build_info{{version=\"{}\",service=\"unit-test\"}} 1",
-            env!("CARGO_PKG_VERSION")
+            "shelfsync_build_info{{version=\"{}\",revision=\"{}\",service=\"unit-test\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::REVISION.unwrap_or("unknown")
         );
         assert!(text.contains(&build), "{text}");
         for process in [
