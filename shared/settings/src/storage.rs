@@ -29,7 +29,10 @@ pub struct StorageSettings {
     /// How often expired tombstones are looked for.
     #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
-    /// JetStream ack wait of the command consumers.
+    /// Ignored since storage stopped acking command messages (it reads the
+    /// command stream without acks and purges what it applied); still
+    /// accepted so that old config files keep loading. It was the JetStream
+    /// ack wait of the command consumers.
     #[serde(with = "humantime_serde")]
     pub ack_wait: Duration,
     /// First delay of a nak after a transient failure (doubles up to 5 s).
