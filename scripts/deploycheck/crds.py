@@ -1,13 +1,14 @@
-"""Prometheus Operator objects (PodMonitor, ServiceMonitor, PrometheusRule, ...) against the
-operator's own CRD schemas, strictly: an object field the CRD does not declare is an error, as
+"""Prometheus Operator objects (PodMonitor, ServiceMonitor, PrometheusRule, ...) and KEDA objects
+(ScaledObject) against their own CRD schemas, strictly: an object field the CRD does not declare is an error, as
 `kubectl apply --validate=strict` makes it.
 
 Why not kubernetes-validate: it validates only against the schemas it ships (Kubernetes' built-in
 kinds) and takes no CRD; an unknown kind is a warning there, not an error. Why npm: no registry
 reached here ships the operator's CRD YAML, but the npm package
 @kubernetes-models/prometheus-operator 5.0.1 was generated from the CRDs of operator release
-v0.90.1 (validators compiled from their openAPIV3Schema, and TypeScript declarations of it).
-crdcheck/check.mjs runs them under Node.js; `scripts/install-deps.sh --deploy-tools` installs
+v0.90.1 (validators compiled from their openAPIV3Schema, and TypeScript declarations of it); the
+npm package @kubernetes-models/keda 2.0.0 the same way from KEDA's API types (keda.sh/v1alpha1,
+github.com/kedacore/keda/v2/apis/keda/v1alpha1). crdcheck/check.mjs runs them under Node.js; `scripts/install-deps.sh --deploy-tools` installs
 them, pinned by crdcheck/package-lock.json, into the virtualenv's directory crdcheck/."""
 import json
 import os
@@ -20,6 +21,14 @@ from .core import ROOT
 OPERATOR_VERSION = "v0.90.1"  # the CRDs the pinned npm package was generated from
 SCRIPT = pathlib.Path(__file__).resolve().parent / "crdcheck" / "check.mjs"
 PACKAGE = "@kubernetes-models/prometheus-operator"
+KEDA_PACKAGE = "@kubernetes-models/keda"
+# API group -> the npm package with its CRD schemas (the same map as crdcheck/check.mjs).
+PACKAGES = {"monitoring.coreos.com": PACKAGE, "keda.sh": KEDA_PACKAGE}
+
+
+def is_custom(doc):
+    """An object of a CRD this check knows (and kubernetes-validate does not)."""
+    return str(doc.get("apiVersion", "")).split("/")[0] in PACKAGES
 MIN_NODE = 18  # ES modules, structuredClone
 
 
@@ -49,9 +58,9 @@ def unavailable():
     major = _node_major(node)
     if major is None or major < MIN_NODE:
         return f"node {major} is older than {MIN_NODE}"
-    installed = deps_dir() / "node_modules" / PACKAGE / "package.json"
-    if not installed.is_file():
-        return f"{PACKAGE} is not installed in {deps_dir()} (scripts/install-deps.sh --deploy-tools)"
+    for package in PACKAGES.values():
+        if not (deps_dir() / "node_modules" / package / "package.json").is_file():
+            return f"{package} is not installed in {deps_dir()} (scripts/install-deps.sh --deploy-tools)"
     return None
 
 

@@ -12,6 +12,18 @@ RUNBOOK_BASE = "https://shelfsync.example/docs/OPERATE.md"
 # Metrics the alerts use that the code is about to export (being written now): a NOTE, not a
 # failure, until shared/telemetry defines them.
 PENDING_METRICS = set()
+# Metrics of the exporters the alerts and the dashboard may use (names as scraped, with the
+# prefixes compose/ and the NATS Helm chart give them). prometheus-nats-exporter 0.16.0 with
+# -prefix=nats -jsz=all (collector/jsz.go: nats_server_*, nats_stream_*, nats_consumer_*, labels
+# account, stream_name, consumer_name, is_consumer_leader, ...); redis_exporter.
+EXTERNAL_METRICS = {
+    "nats_server_total_message_bytes", "nats_server_max_storage",
+    "nats_consumer_num_pending", "nats_consumer_num_ack_pending", "nats_consumer_num_redelivered",
+    "nats_consumer_num_waiting", "nats_consumer_delivered_consumer_seq", "nats_consumer_delivered_stream_seq",
+    "nats_consumer_ack_floor_consumer_seq", "nats_consumer_ack_floor_stream_seq",
+    "redis_memory_used_bytes", "redis_memory_max_bytes",
+}
+RULE_TESTS = ROOT / "k8s/base/monitoring/shelfsync-alerts.test.yaml"
 
 
 def github_anchor(heading):
@@ -37,6 +49,12 @@ def used_metrics(text):
     return out
 
 
+def used_external_metrics(text):
+    """nats_* and redis_* metric names a query uses (not label values such as redis_exporter:
+    a name followed by `{`, `[`, `)`, whitespace or an operator)."""
+    return set(re.findall(r"\b((?:nats|redis)_[a-z0-9_]*[a-z0-9])\b(?=\s*[{\[)/*+\-<>=!,]|\s*$)", text, re.M))
+
+
 def check_monitoring():
     alerts_path = ROOT / "k8s/base/monitoring/shelfsync-alerts.yaml"
     dash_path = ROOT / "k8s/base/monitoring/shelfsync-dashboard.json"
@@ -44,6 +62,8 @@ def check_monitoring():
     if PROMTOOL:
         r = run([PROMTOOL, "check", "rules", str(alerts_path)])
         check(f"{rel(alerts_path)}: promtool check rules", [] if r.returncode == 0 else [r.stdout + r.stderr])
+        r = run([PROMTOOL, "test", "rules", str(RULE_TESTS)], cwd=RULE_TESTS.parent)
+        check(f"{rel(RULE_TESTS)}: promtool test rules", [] if r.returncode == 0 else [r.stdout + r.stderr])
         prom = (ROOT / "compose/prometheus/prometheus.yml").read_text().replace(
             "/etc/prometheus/rules/*.yaml", str(alerts_path))
         (TMP / "prometheus.yml").write_text(prom)
@@ -57,6 +77,9 @@ def check_monitoring():
     text = alerts_path.read_text()
     unknown = used_metrics(text) - known
     errors = [f"unknown metric {m}" for m in sorted(unknown - PENDING_METRICS)]
+    exprs_text = "\n".join(r["expr"] for g in rules["groups"] for r in g["rules"])
+    errors += [f"unknown exporter metric {m} (not in deploycheck's EXTERNAL_METRICS)"
+               for m in sorted(used_external_metrics(exprs_text) - EXTERNAL_METRICS)]
     for m in sorted(unknown & PENDING_METRICS):
         note(f"NOTE  alerts use {m}, which the code does not export yet (pending: being added)")
     for m in sorted(PENDING_METRICS & known):
@@ -100,6 +123,8 @@ def check_monitoring():
                 errors.append(f"panel {p.get('title')}: empty query")
             exprs.append(t.get("expr", ""))
     errors += [f"unknown metric {m}" for m in sorted(used_metrics("\n".join(exprs)) - known)]
+    errors += [f"unknown exporter metric {m} (not in deploycheck's EXTERNAL_METRICS)"
+               for m in sorted(used_external_metrics("\n".join(exprs)) - EXTERNAL_METRICS)]
     wanted = ["shelfsync_commands_applied_total", "shelfsync_changes_emitted_total", "shelfsync_commands_unchanged_total",
               "shelfsync_freshness_seconds", "shelfsync_consumer_lag", "shelfsync_cas_conflicts_total",
               "shelfsync_rejects_total", "shelfsync_outbox_depth", "shelfsync_keyframe_seconds"]

@@ -1,10 +1,13 @@
-//! Validates Prometheus Operator objects against the operator's own CRD schemas, strictly.
+//! Validates Prometheus Operator objects (monitoring.coreos.com) and KEDA objects (keda.sh)
+//! against their CRD schemas, strictly.
 //!
 //! Why it exists: kubernetes-validate knows only Kubernetes' built-in kinds, and no registry this
 //! project reaches ships the operator's CRD YAML. The npm package
 //! @kubernetes-models/prometheus-operator 5.0.1 was generated from the CRDs of operator release
 //! v0.90.1 (their openAPIV3Schema, compiled into ajv validators, and TypeScript declarations of
-//! the same schema). Two passes per object:
+//! the same schema); @kubernetes-models/keda 2.0.0 likewise from KEDA's API types
+//! (github.com/kedacore/keda/v2/apis/keda/v1alpha1: ScaledObject, TriggerAuthentication, ...).
+//! Two passes per object:
 //!
 //!   schema  the compiled CRD schema: types, enums, patterns, required fields, formats;
 //!   strict  every field the object sets must be declared by the CRD schema, as
@@ -20,8 +23,11 @@ import fs from "node:fs";
 import path from "node:path";
 import { pathToFileURL } from "node:url";
 
-const GROUP = "monitoring.coreos.com";
-const PACKAGE = "@kubernetes-models/prometheus-operator";
+// API group -> the npm package holding its models (path <package>/<group>/<version>/<Kind>.js).
+const PACKAGES = {
+  "monitoring.coreos.com": "@kubernetes-models/prometheus-operator",
+  "keda.sh": "@kubernetes-models/keda",
+};
 
 const depsDir = path.resolve(process.argv[2] || ".");
 const modules = path.join(depsDir, "node_modules");
@@ -29,8 +35,9 @@ const modules = path.join(depsDir, "node_modules");
 /** The model class of an apiVersion/kind, or null when the package has no such CRD. */
 async function modelOf(apiVersion, kind) {
   const [group, version] = String(apiVersion).split("/");
-  if (group !== GROUP || !/^v[0-9a-z]+$/.test(version || "") || !/^[A-Za-z]+$/.test(kind || "")) return null;
-  const file = path.join(modules, PACKAGE, GROUP, version, `${kind}.js`);
+  const pkg = Object.hasOwn(PACKAGES, group) ? PACKAGES[group] : null;
+  if (!pkg || !/^v[0-9a-z]+$/.test(version || "") || !/^[A-Za-z]+$/.test(kind || "")) return null;
+  const file = path.join(modules, pkg, group, version, `${kind}.js`);
   if (!fs.existsSync(file)) return null;
   const mod = await import(pathToFileURL(file).href);
   return mod[kind] || null;
@@ -69,16 +76,17 @@ function schemaErrors(Model, obj) {
 let ts;
 let checker;
 let scalarFlags; // TypeScript types a JSON object can never be
-const declared = new Map(); // "<version>/<Kind>" -> ts.Type of its interface
+const declared = new Map(); // "<group>/<version>/<Kind>" -> ts.Type of its interface
 
-/** Builds one TypeScript program over the declarations of every kind in `keys` ("v1/PodMonitor"). */
+/** Builds one TypeScript program over the declarations of every kind in `keys`
+ * ("monitoring.coreos.com/v1/PodMonitor"). */
 async function loadDeclarations(keys) {
   ts = (await import(pathToFileURL(path.join(modules, "typescript/lib/typescript.js")).href)).default;
   const file = path.join(depsDir, "__crdcheck.ts");
   const text = keys
     .map((k, i) => {
-      const [version, kind] = k.split("/");
-      return `import type { I${kind} as T${i} } from "${PACKAGE}/${GROUP}/${version}/${kind}";\nexport type K${i} = T${i};\n`;
+      const [group, version, kind] = k.split("/");
+      return `import type { I${kind} as T${i} } from "${PACKAGES[group]}/${group}/${version}/${kind}";\nexport type K${i} = T${i};\n`;
     })
     .join("");
   const options = {
@@ -150,11 +158,11 @@ async function main() {
   const objects = JSON.parse(fs.readFileSync(0, "utf8"));
   if (!Array.isArray(objects)) throw new Error("expected a JSON array of objects on stdin");
   const models = await Promise.all(objects.map((o) => modelOf(o?.apiVersion, o?.kind)));
-  const keys = [...new Set(objects.filter((o, i) => models[i]).map((o) => `${o.apiVersion.split("/")[1]}/${o.kind}`))];
+  const keys = [...new Set(objects.filter((o, i) => models[i]).map((o) => `${o.apiVersion}/${o.kind}`))];
   if (keys.length) await loadDeclarations(keys);
   const results = objects.map((o, i) => {
-    if (!models[i]) return [{ path: "(root)", message: `no CRD schema for ${o?.apiVersion} ${o?.kind} in ${PACKAGE}` }];
-    const type = declared.get(`${o.apiVersion.split("/")[1]}/${o.kind}`);
+    if (!models[i]) return [{ path: "(root)", message: `no CRD schema for ${o?.apiVersion} ${o?.kind} in ${Object.values(PACKAGES).join(", ")}` }];
+    const type = declared.get(`${o.apiVersion}/${o.kind}`);
     return [...schemaErrors(models[i], o), ...unknownFields(o, type, [], [])];
   });
   process.stdout.write(JSON.stringify(results));
