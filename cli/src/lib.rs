@@ -20,6 +20,7 @@ mod cmd;
 mod context;
 mod error;
 pub mod genfeed;
+pub mod team;
 pub use shelfsync_proto::json;
 
 use std::path::PathBuf;
@@ -78,6 +79,9 @@ pub enum Command {
     /// Every consumer of every stream as JetStream reports it: pending,
     /// ack pending, redeliveries, last delivery and ack.
     Consumers(cmd::consumers::Args),
+    /// A consumer team's least-privilege NATS user, Secret, NetworkPolicies
+    /// and StatefulSet skeleton: add, remove, list (offline: edits files).
+    Consumer(cmd::consumer::Args),
     /// Wait until storage has applied every queued command.
     Wait(cmd::wait::Args),
     /// List the sweeps storage held instead of applying them, or show what
@@ -115,6 +119,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Keyframe(args) => cmd::keyframe::run(&ctx()?, args).await,
         Command::Stats(args) => cmd::stats::run(&ctx()?, args).await,
         Command::Consumers(args) => cmd::consumers::run(&ctx()?, args).await,
+        Command::Consumer(args) => cmd::consumer::run(&ctx()?, args),
         Command::Wait(args) => cmd::wait::run(&ctx()?, args).await,
         Command::Sweeps(args) => cmd::sweep::run(&ctx()?, args).await,
         Command::Sweep(args) => cmd::sweep::release(&ctx()?, args).await,

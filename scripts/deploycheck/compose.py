@@ -3,7 +3,7 @@ import os
 
 import yaml
 
-from .core import ROOT, SERVICES, check, fail, run, tool
+from .core import ROOT, SERVICES, check, fail, rel, run, tool
 from .dockerfile import dockerfile_stages
 from .natsconf import NatsConf
 from .settings_schema import SCHEMA, env_key_errors, toml_file
@@ -49,6 +49,10 @@ def check_compose():
         check("compose/compose.yaml: compose-spec schema (check-jsonschema)", [] if r.returncode == 0 else [r.stdout + r.stderr])
     else:
         fail("compose/compose.yaml: check-jsonschema is not available")
+    for team in sorted((ROOT / "compose/teams").glob("*/compose.yaml")):
+        if cj:
+            r = run([cj, "--builtin-schema", "vendor.compose-spec", str(team)])
+            check(f"{rel(team)}: compose-spec schema (check-jsonschema)", [] if r.returncode == 0 else [r.stdout + r.stderr])
     doc = yaml.safe_load(path.read_text())
     services = doc.get("services", {})
     stages = dockerfile_stages()

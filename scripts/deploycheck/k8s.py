@@ -8,7 +8,7 @@ import yaml
 
 from . import crds
 from .compose import stream_limit_errors
-from .core import KUBECTL, ROOT, SERVICES, TMP, check, fail, ok, rel, run, skip, tool
+from .core import KUBECTL, PREFIX, ROOT, SERVICES, TMP, check, fail, ok, rel, run, skip, tool
 from .nats_checks import dev_secrets, jetstream_limits, nats_values
 from .settings_schema import SCHEMA, env_key_errors, section_errors, toml_key_errors, tomllib
 
@@ -384,10 +384,16 @@ def k8s_policy(docs, overlay):
         if ("PodDisruptionBudget", f"shelfsync-{comp}") not in by:
             errors.append(f"no PodDisruptionBudget shelfsync-{comp}")
     for comp in ("validator", "recommender"):
-        if ("HorizontalPodAutoscaler", f"shelfsync-{comp}") not in by:
-            errors.append(f"no HorizontalPodAutoscaler shelfsync-{comp}")
+        scalers = [d for d in docs if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+                   and d["spec"].get("scaleTargetRef", {}).get("name") == f"shelfsync-{comp}"]
+        if not scalers:
+            errors.append(f"no HorizontalPodAutoscaler (or KEDA ScaledObject) shelfsync-{comp}")
+        elif len(scalers) > 1:
+            errors.append(f"shelfsync-{comp}: scaled by {len(scalers)} objects "
+                          f"({', '.join(d['kind'] for d in scalers)}): they would fight; keep one")
         if "replicas" in by.get(("Deployment", f"shelfsync-{comp}"), {}).get("spec", {}):
             errors.append(f"shelfsync-{comp}: replicas is owned by its HPA, leave it out of the Deployment")
+    errors += scaled_object_errors(docs, files.get("shelfsync.toml"))
     data = (env_cm or {}).get("data", {})
     if env_cm is None or data.get("OTEL_EXPORTER_OTLP_ENDPOINT") != COLLECTOR:
         errors.append(f"shelfsync-env: OTEL_EXPORTER_OTLP_ENDPOINT={COLLECTOR} (the collector)")
@@ -426,6 +432,43 @@ def k8s_policy(docs, overlay):
         errors.append("the Namespace enforces Pod Security `restricted`")
     if any(d["kind"] == "CustomResourceDefinition" for d in docs):
         errors.append("no CRDs in the kustomization (the Prometheus Operator installs its own)")
+    return errors
+
+
+def scaled_object_errors(docs, common=None):
+    """KEDA's ScaledObjects (k8s/components/keda): a nats-jetstream trigger reads the consumer the
+    validators really share, on the real stream, through the namespace's NATS; KEDA's operator
+    may reach NATS's monitoring port."""
+    errors = []
+    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+    if not scaled:
+        return errors
+    # The validators' durable consumer: validator.consumer of shelfsync.toml, "validator" by default.
+    consumer = ((common or {}).get("validator") or {}).get("consumer", "validator")
+    for so in scaled:
+        name, ns = so["metadata"]["name"], so["metadata"].get("namespace")
+        jets = [t for t in so["spec"].get("triggers", []) if t.get("type") == "nats-jetstream"]
+        if so["spec"].get("scaleTargetRef", {}).get("name") == "shelfsync-validator" and not jets:
+            errors.append(f"ScaledObject {name}: a nats-jetstream trigger (the validators' pending messages)")
+        for t in jets:
+            m = t.get("metadata", {})
+            if m.get("stream") != f"{PREFIX.upper()}_CHANGES" or m.get("consumer") != consumer or m.get("account") != "SHELFSYNC":
+                errors.append(f"ScaledObject {name}: nats-jetstream reads account SHELFSYNC, stream {PREFIX.upper()}_CHANGES, "
+                              f"consumer {consumer} (got {m.get('account')}, {m.get('stream')}, {m.get('consumer')})")
+            host = str(m.get("natsServerMonitoringEndpoint", ""))
+            if not host.endswith(":8222") or f".{ns}.svc" not in host:
+                errors.append(f"ScaledObject {name}: natsServerMonitoringEndpoint must be NATS's monitoring port in "
+                              f"namespace {ns} (<service>.{ns}.svc.cluster.local:8222), got {host!r}")
+            try:
+                int(m.get("lagThreshold", ""))
+            except ValueError:
+                errors.append(f"ScaledObject {name}: lagThreshold must be a whole number (a string)")
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    nats = {"app.kubernetes.io/name": "nats", "app.kubernetes.io/instance": "nats"}
+    if not allowed(policies, "in", nats, {"app": "keda-operator"}, 8222, {"kubernetes.io/metadata.name": "keda"}):
+        errors.append("KEDA's operator (namespace keda, app: keda-operator) cannot reach NATS's monitoring port 8222")
+    if allowed(policies, "in", nats, {}, 8222, {"kubernetes.io/metadata.name": "some-other-namespace"}):
+        errors.append("NATS's monitoring port 8222 is open to other namespaces than keda's")
     return errors
 
 
@@ -506,8 +549,8 @@ def check_k8s():
             continue
         ok(f"{overlay}: kubectl kustomize")
         docs = [d for d in yaml.safe_load_all(out) if d]
-        builtin = [d for d in docs if not d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
-        custom = [d for d in docs if d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
+        builtin = [d for d in docs if not crds.is_custom(d)]
+        custom = [d for d in docs if crds.is_custom(d)]
         rendered = TMP / (overlay.replace("/", "_") + ".yaml")
         rendered.write_text(yaml.safe_dump_all(builtin))
         for version in (K8S_MIN, latest_k8s()):
@@ -520,6 +563,46 @@ def check_k8s():
         check_operator_objects(overlay, custom)
         check(f"{overlay}: policy (Pod Security restricted, probes, resources, labels, secrets, network policies, "
               "config per workload, storage replicas, durability, stream limits)", k8s_policy(docs, overlay))
+    if kv:
+        check_teams(kv)
+
+
+def check_teams(kv):
+    """k8s/teams/<team>/ (written by `shelfsync consumer add`): kustomize builds it (with a stand-in
+    nats.env when the real one, which git ignores, is absent), its objects are valid, its pods meet
+    the restricted Pod Security Standard and carry the team label its NetworkPolicies select."""
+    import shutil
+    for team in sorted(p for p in (ROOT / "k8s/teams").glob("*") if p.is_dir()):
+        where = rel(team)
+        copy = TMP / "teams" / team.name
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(team, copy)
+        if not (copy / "nats.env").exists():
+            (copy / "nats.env").write_text(
+                f"SHELFSYNC__NATS__USER={team.name}\nSHELFSYNC__NATS__PASSWORD=stand-in\n"
+                f"SHELFSYNC__NATS__INBOX_PREFIX=_INBOX_{team.name}\n")
+        r = run([KUBECTL, "kustomize", str(copy)])
+        if r.returncode != 0:
+            fail(f"{where}: kubectl kustomize", r.stdout + r.stderr)
+            continue
+        docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+        rendered = TMP / f"teams_{team.name}.yaml"
+        rendered.write_text(yaml.safe_dump_all(docs))
+        for version in (K8S_MIN, latest_k8s()):
+            r = run([kv, "--strict", "--quiet", "-k", version, str(rendered)])
+            check(f"{where}: kubernetes-validate --strict -k {version} ({len(docs)} objects)",
+                  [] if r.returncode == 0 else [r.stdout + r.stderr])
+        errors = []
+        for d in docs:
+            if d["kind"] in ("StatefulSet", "Deployment"):
+                pod = d["spec"]["template"]
+                errors += pod_security_errors(d["metadata"]["name"], pod["spec"])
+                if pod["metadata"].get("labels", {}).get("shelfsync.io/team") != team.name:
+                    errors.append(f"{d['metadata']['name']}: pods labelled shelfsync.io/team: {team.name}")
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        if len(policies) < 2:
+            errors.append("NetworkPolicies: the team's egress to NATS and NATS's ingress from the team")
+        check(f"{where}: Pod Security restricted, team label, network policies", errors)
 
 
 def check_operator_objects(overlay, custom):
@@ -528,15 +611,22 @@ def check_operator_objects(overlay, custom):
     if why:
         skip(f"{overlay}: Prometheus Operator objects against the operator's CRD schemas", why)
         return
-    kinds = sorted({d["kind"] for d in custom})
     try:
-        errors = [e for found in crds.errors(custom) for e in found]
+        found = crds.errors(custom)
     except RuntimeError as e:
-        errors = [str(e)]
+        found = [[str(e)]] * len(custom)
+    operator = [(d, f) for d, f in zip(custom, found) if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    keda = [(d, f) for d, f in zip(custom, found) if d["apiVersion"].startswith("keda.sh/")]
+    kinds = sorted({d["kind"] for d, _ in operator})
+    errors = [e for _, f in operator for e in f]
     if not {"PodMonitor", "PrometheusRule"} <= set(kinds):
         errors.append(f"expected PodMonitors and a PrometheusRule (k8s/components/prometheus-operator), got {kinds}")
     check(f"{overlay}: Prometheus Operator objects against the operator's {crds.OPERATOR_VERSION} CRD schemas, strict "
-          f"({len(custom)}: {', '.join(kinds)})", errors)
+          f"({len(operator)}: {', '.join(kinds)})", errors)
+    if keda:
+        kinds = sorted({d["kind"] for d, _ in keda})
+        check(f"{overlay}: KEDA objects against KEDA's keda.sh/v1alpha1 CRD schemas ({crds.KEDA_PACKAGE}), strict "
+              f"({len(keda)}: {', '.join(kinds)})", [e for _, f in keda for e in f])
 
 
 def latest_k8s():

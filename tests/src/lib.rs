@@ -29,6 +29,7 @@ pub mod harness;
 pub mod http;
 pub mod mirror;
 pub mod model;
+pub mod natsauth;
 pub mod otlp;
 pub mod outbox;
 pub mod processes;
@@ -39,6 +40,7 @@ pub use harness::{Harness, count_by_key, decode_product, patch, product, publish
 pub use http::{http_get, metric_value};
 pub use mirror::{FeedMirror, RunningFeed, tail_from_start};
 pub use model::{Churn, Observed, RecordId, SerialModel, observed};
+pub use natsauth::{COMPOSE_NATS_CONF, Refusals};
 pub use outbox::{commit_outbox, outbox_entries};
 pub use processes::{
     InProcessStorage, Running, Shutdown, StorageProcess, cli, cli_ok, pid_with_arg, signal, spawn,

@@ -14,47 +14,26 @@
 //!   DONE (settings keys exist, the connection does not apply them yet) and
 //!   its test is the executable spec. `tls.rs` covers NATS TLS in-process.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use shelfsync_bus::{Partition, Subjects};
+use shelfsync_bus::Partition;
 use shelfsync_feed::{ChangeFeed, FeedConfig};
 use shelfsync_settings::Settings;
 use shelfsync_testkit::{NatsServer, RedisServer, TestEnv, unique_name};
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
-const USERS: [&str; 6] = ["admin", "ingest", "storage", "validator", "aggregator", "recommender"];
 
 fn password(user: &str) -> String {
     format!("pw-{user}-s3cret")
 }
 
-/// compose/nats/nats.conf from its `authorization` block on (the users'
-/// permissions and accounts) for a test prefix, with literal passwords
-/// instead of the environment lookups.
+/// compose/nats/nats.conf's users and permissions for a test prefix.
 fn authorization(prefix: &str) -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../compose/nats/nats.conf");
-    let conf = std::fs::read_to_string(path).expect("compose/nats/nats.conf");
-    let start = conf.find("authorization {").expect("an authorization block");
-    let stream_prefix = Subjects::new(prefix).cmd_stream().trim_end_matches("_CMD").to_string();
-    let mut block = conf[start..]
-        .replace("shelfsync.", &format!("{prefix}."))
-        .replace("SHELFSYNC_", &format!("{stream_prefix}_"));
-    // `sys`, of the system account, is no service's user: it only needs a password.
-    for user in USERS.iter().chain(&["sys"]) {
-        let var = format!("$NATS_{}_PASSWORD", user.to_uppercase());
-        block = block.replace(&var, &format!("\"{}\"", password(user)));
-    }
-    // The account's JetStream limit must fit in the test server's (4 GB); the
-    // streams of a test reserve 1 GiB (the command stream's default limit).
-    block
-        .lines()
-        .map(|l| if l.trim_start().starts_with("max_file:") { "max_file: 3GiB" } else { l })
-        .collect::<Vec<_>>()
-        .join("\n")
+    let conf = std::fs::read_to_string(COMPOSE_NATS_CONF).expect("compose/nats/nats.conf");
+    natsauth::authorization(&conf, prefix, password)
 }
 
 fn as_user(settings: &Settings, user: &str) -> Settings {
@@ -67,24 +46,8 @@ fn as_user(settings: &Settings, user: &str) -> Settings {
 }
 
 /// A client of `user` whose server errors (permission violations) are kept.
-async fn client_of(nats: &NatsServer, user: &str) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
-    let errors = Arc::new(Mutex::new(Vec::new()));
-    let sink = errors.clone();
-    let client = async_nats::ConnectOptions::new()
-        .user_and_password(user.into(), password(user))
-        .custom_inbox_prefix(format!("_INBOX_{user}"))
-        .event_callback(move |event| {
-            let sink = sink.clone();
-            async move {
-                if let async_nats::Event::ServerError(e) = event {
-                    sink.lock().expect("lock").push(e.to_string().to_lowercase());
-                }
-            }
-        })
-        .connect(nats.url())
-        .await
-        .expect("login");
-    (client, errors)
+async fn client_of(nats: &NatsServer, user: &str) -> (async_nats::Client, Refusals) {
+    natsauth::client_as(nats, user, &password(user)).await.expect("login")
 }
 
 /// Servers whose NATS has the users of [`authorization`] under a fresh
@@ -100,12 +63,8 @@ async fn authorized_servers() -> (TestEnv, Settings) {
     (env, base)
 }
 
-async fn violation(errors: &Arc<Mutex<Vec<String>>>, what: &str, subject: &str) {
-    let needle = format!("permissions violation for {what} to \"{}\"", subject.to_lowercase());
-    eventually(Duration::from_secs(5), &format!("the server to refuse: {needle}"), || async {
-        errors.lock().expect("lock").iter().any(|e| e.contains(&needle))
-    })
-    .await;
+async fn violation(errors: &Refusals, what: &str, subject: &str) {
+    natsauth::refused(errors, what, subject).await
 }
 
 #[tokio::test]

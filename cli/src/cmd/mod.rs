@@ -5,6 +5,7 @@
 
 pub mod completions;
 pub mod config;
+pub mod consumer;
 pub mod consumers;
 pub mod dead_letters;
 pub mod gen_feed;

@@ -11,8 +11,10 @@
 //! Everything it knows comes from the change stream; it keeps no state of
 //! its own (the kit bootstraps it from a keyframe at every start).
 //!
-//! **One durable consumer per replica**, named `picks-<host>-<random>`
-//! ([`consumer_name`]). Every replica holds the *whole* state in memory and
+//! **One durable consumer per replica** ([`consumer_name`]): `picks-<n>`
+//! when the replica knows its index `n` (`SHELFSYNC_REPLICA`: the pod's
+//! ordinal in the StatefulSet that `shelfsync consumer add` generates, or a
+//! compose service's number), else `picks-<host>-<random>`. Every replica holds the *whole* state in memory and
 //! serves any place, so every replica must see every change: a consumer
 //! shared by the replicas would hand each message to one of them only
 //! (JetStream spreads a consumer's messages over whoever pulls), and each
@@ -25,7 +27,11 @@
 //! pod's name on Kubernetes) says which replica a consumer belongs to in
 //! `shelfsync consumers`; the random part keeps two processes with one host
 //! name (host networking, a fixed compose `hostname`, two on a laptop)
-//! apart. The kit recreates the consumer from the keyframes it loaded at
+//! apart. With an index the name is the one the team's NATS user may use
+//! (its permissions list `picks-0` … `picks-<replicas-1>` by name: NATS
+//! cannot grant "names starting with picks-"), stable across restarts, and
+//! a StatefulSet never runs two pods of one ordinal at once (a
+//! Deployment's rollout would: hence a StatefulSet). The kit recreates the consumer from the keyframes it loaded at
 //! every start; a replica that stops deletes its consumer (the name is
 //! never used again), and one that dies leaves it to the server, which
 //! deletes it after an hour without a pull (the kit's `inactive_threshold`).
@@ -120,12 +126,15 @@ impl Handler for Picks {
     }
 }
 
-/// The durable consumer name of one replica: `picks-<host>-<random>`, the
-/// host name cut to what a consumer name may hold (letters, digits, `-`,
+/// The durable consumer name of one replica: `picks-<replica>` when the
+/// replica knows its index, else `picks-<host>-<random>`, the host name cut to what a consumer name may hold (letters, digits, `-`,
 /// `_`; at most 40 of them) and 64 random bits (see the module docs for
 /// why both). `host` is the host name of the process ([`host_name`]: the
 /// pod name on Kubernetes, the container id under Docker).
-pub fn consumer_name(host: Option<&str>) -> String {
+pub fn consumer_name(replica: Option<u32>, host: Option<&str>) -> String {
+    if let Some(n) = replica {
+        return format!("picks-{n}");
+    }
     let host: String = host
         .unwrap_or_default()
         .chars()
@@ -138,6 +147,19 @@ pub fn consumer_name(host: Option<&str>) -> String {
         format!("picks-{random:016x}")
     } else {
         format!("picks-{host}-{random:016x}")
+    }
+}
+
+/// The replica's index from `SHELFSYNC_REPLICA` (a StatefulSet sets it to
+/// the pod's ordinal), `None` when unset; an error when it is not a number.
+pub fn replica_index() -> anyhow::Result<Option<u32>> {
+    match std::env::var("SHELFSYNC_REPLICA") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map(Some).map_err(|_| {
+            anyhow::anyhow!(
+                "SHELFSYNC_REPLICA={v:?}: the replica's index, a number (the pod's ordinal)"
+            )
+        }),
+        _ => Ok(None),
     }
 }
 
@@ -180,11 +202,20 @@ pub struct App {
 
 impl App {
     /// Connects to NATS (retrying in the background) and binds `listen`.
-    /// The replica's consumer is named after its host ([`consumer_name`]).
+    /// The replica's index comes from `SHELFSYNC_REPLICA` ([`replica_index`]).
     pub async fn build(settings: Settings, listen: &str) -> anyhow::Result<App> {
+        Self::build_replica(settings, listen, replica_index()?).await
+    }
+
+    /// [`App::build`] for replica `replica` (its consumer: [`consumer_name`]).
+    pub async fn build_replica(
+        settings: Settings,
+        listen: &str,
+        replica: Option<u32>,
+    ) -> anyhow::Result<App> {
         let client = shelfsync_bus::connect(&settings.nats, "shelfsync-picks", true).await?;
         // One consumer per replica: each rebuilds all its picks from a keyframe.
-        let name = consumer_name(host_name().as_deref());
+        let name = consumer_name(replica, host_name().as_deref());
         let cfg = FeedConfig {
             metric_label: "picks".into(),
             keyframe_responders: settings.topology().storage_replicas,
@@ -273,14 +304,18 @@ mod tests {
     #[test]
     fn consumer_names_differ_between_replicas_on_one_host() {
         // Two containers: the same process id, possibly the same host name.
-        let (a, b) = (consumer_name(Some("picks-7d9f-x2")), consumer_name(Some("picks-7d9f-x2")));
+        let (a, b) = (
+            consumer_name(None, Some("picks-7d9f-x2")),
+            consumer_name(None, Some("picks-7d9f-x2")),
+        );
         assert_ne!(a, b);
         assert!(a.starts_with("picks-picks-7d9f-x2-"), "{a}");
         // What a consumer name may not hold is replaced; long names are cut.
-        let odd = consumer_name(Some("web.example.com/a b*>"));
+        let odd = consumer_name(None, Some("web.example.com/a b*>"));
         assert!(odd.starts_with("picks-web_example_com_ab__-"), "{odd}");
-        assert!(consumer_name(Some(&"h".repeat(300))).len() <= "picks-".len() + 40 + 1 + 16);
-        let bare = consumer_name(None);
+        assert!(consumer_name(None, Some(&"h".repeat(300))).len() <= "picks-".len() + 40 + 1 + 16);
+        let bare = consumer_name(None, None);
+        assert_eq!(consumer_name(Some(1), Some("picks-1")), "picks-1");
         assert_eq!(bare.len(), "picks-".len() + 16, "{bare}");
         for name in [a, odd, bare] {
             assert!(!name.contains(['.', '*', '>', ' ', '/', '\\']), "{name}");

@@ -75,6 +75,19 @@ impl NatsServer {
         format!("http://127.0.0.1:{}", self.monitor_port)
     }
 
+    /// Rewrites the config with `extra_conf` (as [`NatsServer::start_with_config`]) and makes
+    /// the running server reload it (SIGHUP): no restart, its connections stay.
+    pub fn reload_with_config(&self, extra_conf: &str) -> anyhow::Result<()> {
+        self.write_config(extra_conf)?;
+        let pid = self.pid().context("nats-server is not running")?;
+        let status =
+            std::process::Command::new("kill").args(["-HUP", &pid.to_string()]).status()?;
+        if !status.success() {
+            bail!("kill -HUP {pid}: {status}");
+        }
+        Ok(())
+    }
+
     /// JetStream's store dir; it survives [`NatsServer::kill`] and is reused by `restart`.
     pub fn store_dir(&self) -> &Path {
         &self.store_dir
