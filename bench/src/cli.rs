@@ -82,6 +82,9 @@ pub enum Scenario {
     Recommender,
     /// 8: Redis memory per record.
     Memory,
+    /// The live path's table: rates × {the kit's publisher, one command per message}, the
+    /// ceiling, and the PostgreSQL peer of the live job (unless --no-postgres).
+    Live,
 }
 
 /// Processes the harness starts from its own binary; settings come from `SHELFSYNC__*`

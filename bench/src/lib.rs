@@ -29,6 +29,8 @@ mod cli;
 mod feeds;
 mod http;
 mod live;
+mod live_table;
+mod load;
 mod measure;
 mod parse_floor;
 mod postgres;
@@ -83,6 +85,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Scenario::Freshness,
         Scenario::Keyframe,
         Scenario::Recommender,
+        Scenario::Live,
     ]
     .into_iter()
     .any(wants);
@@ -109,6 +112,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             if wants(Scenario::Recommender) {
                 recommender::run(&world, &storage, &mut report).await?;
+            }
+            if wants(Scenario::Live) {
+                live_table::run(&world, &storage, &mut report).await?;
+                if !cli.no_postgres {
+                    postgres::live::run(&world, &mut report).await?;
+                }
             }
         }
         if wants(Scenario::Rss) {

@@ -1,9 +1,10 @@
 //! Scenarios 4 and 5: freshness at a fixed offered rate, and keyframes of every record — idle,
 //! then under that live load.
 //!
-//! The load generator plays ingest: every tick it publishes the PATCHes due at the offered rate
-//! (a new price for a random record, so each one is a real change), batched per partition, with
-//! `Origin.published_at` set when they are published. A ChangeFeed consumer bootstrapped from
+//! The load generator (`load.rs`) plays the producers of live changes: every tick it hands the
+//! PATCHes due at the offered rate (a new price for a random record, so each one is a real
+//! change) to the kit's command publisher, with `Origin.published_at` set when they are handed
+//! over. A ChangeFeed consumer bootstrapped from
 //! the idle keyframe feeds the recommender's own index handler, timed around it: "arrival" is
 //! when the kit hands the change to the handler, "indexed" when the index holds it.
 
@@ -11,14 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
-use prost::Message;
-use shelfsync_bus::{CommandBatcher, Publisher, Subjects, command_bytes_limit};
 use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
-use shelfsync_proto::{Command, CommandKind, Origin, Product, RecordKey, msg_type};
 use shelfsync_recommender::{IndexHandler, SharedIndex};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 
 use crate::children::Target;
+use crate::load::Load;
 use crate::measure;
 use crate::report::{CpuCores, FreshnessRun, KeyframeRun, Report};
 use crate::stats::Percentiles;
@@ -34,11 +33,11 @@ pub fn now_us() -> i64 {
 /// One timed change: when it was published, applied by storage (the record's
 /// `updated_at`), reached the handler, was in the index (µs).
 #[derive(Debug, Clone, Copy)]
-struct Sample {
-    published: i64,
+pub(crate) struct Sample {
+    pub(crate) published: i64,
     applied: i64,
     arrived: i64,
-    indexed: i64,
+    pub(crate) indexed: i64,
 }
 
 /// The recommender's index handler with a stopwatch around it.
@@ -129,127 +128,6 @@ impl Consumer {
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
         self.task.abort();
     }
-}
-
-/// The load generator, running until stopped.
-pub struct Load {
-    stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<anyhow::Result<u64>>,
-}
-
-impl Load {
-    pub fn start(world: &World, storage: &Target, rate: u64, run_id: u64) -> Load {
-        let (stop, stopped) = watch::channel(false);
-        let ctx = LoadCtx {
-            js: world.js.clone(),
-            subjects: storage.subjects(),
-            partitions: storage.settings.storage.partitions,
-            places: world.profile.places,
-            items: world.profile.items_per_place,
-            rate,
-            tick: world.profile.fresh_tick,
-            max_bytes: command_bytes_limit(world.client.server_info().max_payload),
-            run_id,
-        };
-        Load { stop, task: tokio::spawn(generate(ctx, stopped)) }
-    }
-
-    /// Stops and returns how many changes were published.
-    pub async fn stop(self) -> anyhow::Result<u64> {
-        let _ = self.stop.send(true);
-        self.task.await?
-    }
-}
-
-struct LoadCtx {
-    js: async_nats::jetstream::Context,
-    subjects: Subjects,
-    partitions: u32,
-    places: u32,
-    items: u32,
-    rate: u64,
-    tick: Duration,
-    max_bytes: usize,
-    run_id: u64,
-}
-
-/// splitmix64: deterministic and dependency-free.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) % n.max(1)
-    }
-}
-
-async fn generate(ctx: LoadCtx, mut stopped: watch::Receiver<bool>) -> anyhow::Result<u64> {
-    let mut publisher = Publisher::new(ctx.js.clone(), 256);
-    let mut batcher = CommandBatcher::new(ctx.partitions, 1000, ctx.max_bytes);
-    let mut rng = Rng(ctx.run_id);
-    let mut interval = tokio::time::interval(ctx.tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let started = Instant::now();
-    let (mut sent, mut messages) = (0u64, 0u64);
-    loop {
-        tokio::select! {
-            _ = stopped.changed() => break,
-            _ = interval.tick() => {}
-        }
-        // What is due by now at the offered rate, whatever the tick jitter was.
-        let due = (started.elapsed().as_secs_f64() * ctx.rate as f64) as u64;
-        let published_at = now_us();
-        for k in sent..due {
-            let place = 1 + rng.below(u64::from(ctx.places)) as i64;
-            let n = 1 + rng.below(u64::from(ctx.items));
-            // A price no record had before: always a real change.
-            let price = 1_000_000 + (ctx.run_id << 32 | k) as i64 % 1_000_000_000;
-            let command = Command {
-                key: Some(RecordKey::new(BRAND, place, format!("sku-{place}-{n}"))),
-                kind: CommandKind::Patch as i32,
-                data: Product { price: Some(price), ..Default::default() }.encode_to_vec(),
-                origin: Some(Origin {
-                    source: LOAD_SOURCE.into(),
-                    import_id: format!("live-{}", ctx.run_id),
-                    published_at,
-                }),
-                ..Default::default()
-            };
-            for (p, batch) in batcher.push(command) {
-                publish(&ctx, &mut publisher, &mut messages, p, batch).await?;
-            }
-        }
-        for (p, batch) in batcher.drain() {
-            publish(&ctx, &mut publisher, &mut messages, p, batch).await?;
-        }
-        sent = due.max(sent);
-    }
-    publisher.flush().await?;
-    Ok(sent)
-}
-
-async fn publish(
-    ctx: &LoadCtx,
-    publisher: &mut Publisher,
-    messages: &mut u64,
-    p: shelfsync_bus::Partition,
-    batch: shelfsync_proto::CommandBatch,
-) -> anyhow::Result<()> {
-    let msg_id = format!("live:{}:{messages}", ctx.run_id);
-    *messages += 1;
-    publisher
-        .publish(
-            ctx.subjects.cmd(p),
-            msg_id,
-            msg_type::COMMAND_BATCH,
-            None,
-            batch.encode_to_vec().into(),
-        )
-        .await?;
-    Ok(())
 }
 
 /// Asks storage for a keyframe of every place and waits for it.
@@ -473,13 +351,13 @@ pub async fn run(
 }
 
 /// CPU seconds of the processes sharing the machine, at one instant.
-struct CpuSnapshot {
+pub(crate) struct CpuSnapshot {
     at: Instant,
     cpu: CpuCores,
 }
 
 impl CpuSnapshot {
-    fn take(world: &World, storage: &Target) -> Self {
+    pub(crate) fn take(world: &World, storage: &Target) -> Self {
         let of = |pid: Option<u32>| pid.and_then(measure::cpu_seconds).unwrap_or(0.0);
         Self {
             at: Instant::now(),
@@ -493,7 +371,7 @@ impl CpuSnapshot {
     }
 
     /// Cores each process used on average since the snapshot.
-    fn cores_since(self, world: &World, storage: &Target) -> CpuCores {
+    pub(crate) fn cores_since(self, world: &World, storage: &Target) -> CpuCores {
         let now = Self::take(world, storage);
         let s = now.at.duration_since(self.at).as_secs_f64().max(1e-9);
         CpuCores {
@@ -506,7 +384,7 @@ impl CpuSnapshot {
 }
 
 /// Waits (at most 60 s) until every published change was timed; returns the samples.
-async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
+pub(crate) async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while (consumer.sample_count() as u64) < sent && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -515,7 +393,7 @@ async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
 }
 
 /// Latencies of the samples published in `[from, to]` µs.
-fn freshness(
+pub(crate) fn freshness(
     label: &str,
     rate: u64,
     sent: u64,
@@ -540,6 +418,8 @@ fn freshness(
         arrival: Percentiles::of(ms(|s| s.arrived - s.published), "ms"),
         indexed: Percentiles::of(ms(|s| s.indexed - s.published), "ms"),
         cpu_cores: None,
+        drained_after_s: None,
+        cpu_s_per_1k: None,
     }
 }
 

@@ -23,6 +23,18 @@ pub struct Profile {
     pub queries: usize,
     pub http_run: Duration,
     pub http_connections: usize,
+    /// The live table: places and offers per place its changes are spread over, the offered
+    /// rates through the kit's publisher and one command per message, how long each runs.
+    pub live_places: u32,
+    pub live_items: u32,
+    pub live_rates_kit: Vec<u64>,
+    pub live_rates_single: Vec<u64>,
+    pub live_run: Duration,
+    /// The ceiling search: rates stepped up through the kit, each held this long.
+    pub ceiling_rates: Vec<u64>,
+    pub ceiling_hold: Duration,
+    /// Connection counts of the PostgreSQL peer of the live job (the best is kept).
+    pub pg_live_connections: Vec<usize>,
 }
 
 impl Profile {
@@ -41,6 +53,14 @@ impl Profile {
                 queries: 20_000,
                 http_run: Duration::from_secs(2),
                 http_connections: 16,
+                live_places: 2_000,
+                live_items: 5,
+                live_rates_kit: vec![1_000],
+                live_rates_single: vec![500],
+                live_run: Duration::from_millis(1500),
+                ceiling_rates: vec![2_000, 4_000],
+                ceiling_hold: Duration::from_millis(1500),
+                pg_live_connections: vec![4],
             }
         } else {
             Profile {
@@ -56,6 +76,14 @@ impl Profile {
                 queries: 200_000,
                 http_run: Duration::from_secs(10),
                 http_connections: 16,
+                live_places: 2_000,
+                live_items: 5,
+                live_rates_kit: vec![1_000, 2_000, 5_000],
+                live_rates_single: vec![1_000, 2_000],
+                live_run: Duration::from_secs(10),
+                ceiling_rates: vec![5_000, 10_000, 15_000, 20_000, 25_000],
+                ceiling_hold: Duration::from_secs(20),
+                pg_live_connections: vec![4, 8, 16],
             }
         };
         if let Some(n) = records {

@@ -13,7 +13,7 @@ use shelfsync_service::Service;
 use tokio::sync::oneshot;
 
 use crate::children::Target;
-use crate::live::Load;
+use crate::load::Load;
 use crate::report::{HttpRun, RecommenderRun, Report};
 use crate::stats::Percentiles;
 use crate::world::{BRAND, World, free_port};

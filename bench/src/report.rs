@@ -20,6 +20,8 @@ pub struct Report {
     pub machine: Machine,
     pub records: u64,
     pub places: u32,
+    /// Places the live table's changes are spread over.
+    pub live_places: u32,
     pub partitions: u32,
     /// Whether the servers fsync what they acknowledge, and how (every figure is under it).
     pub durable: bool,
@@ -35,6 +37,10 @@ pub struct Report {
     pub freshness: Vec<FreshnessRun>,
     pub rss: Vec<RssRow>,
     pub recommender: Option<RecommenderRun>,
+    /// The live path's table (`live_table`), its ceiling, and the PostgreSQL peer's.
+    pub live: Vec<FreshnessRun>,
+    pub live_ceiling_per_s: Option<f64>,
+    pub postgres_live: Option<PostgresLive>,
     pub targets: Vec<TargetCheck>,
     pub notes: Vec<String>,
 }
@@ -256,6 +262,21 @@ pub struct FreshnessRun {
     pub indexed: Percentiles,
     /// CPU of each process over the load (or the keyframe) window.
     pub cpu_cores: Option<CpuCores>,
+    /// From the load's end until the last change arrived (the live table).
+    pub drained_after_s: Option<f64>,
+    /// CPU seconds of each process per 1000 changes (the live table).
+    pub cpu_s_per_1k: Option<CpuCores>,
+}
+
+/// The PostgreSQL peer of the live job (`postgres::live`).
+#[derive(Debug, Default, Serialize)]
+pub struct PostgresLive {
+    /// The connection count kept (lowest p99 at the highest table rate).
+    pub connections: usize,
+    /// The trial of each connection count at the highest table rate.
+    pub probe: Vec<FreshnessRun>,
+    pub rows: Vec<FreshnessRun>,
+    pub ceiling_per_s: Option<f64>,
 }
 
 /// Cores used on average by each process on the machine over a window.
@@ -368,6 +389,7 @@ impl Report {
             machine: Machine::describe(world).await,
             records: profile.records(),
             places: profile.places,
+            live_places: profile.live_places,
             partitions: profile.partitions,
             durable: world.durable,
             durability: world.durability().into(),
@@ -532,6 +554,7 @@ impl Report {
             None => push("recommender top-N p99 < 1 ms in-process", "not measured".into(), None),
         }
         self.check_peer_targets(&mut push);
+        out.extend(self.live_targets());
         out
     }
 
@@ -631,6 +654,7 @@ impl Report {
         self.md_imports(&mut md);
         self.md_postgres(&mut md);
         self.md_live(&mut md);
+        self.md_live_table(&mut md);
         self.md_rss(&mut md);
         self.md_recommender(&mut md);
         let _ = writeln!(md, "### Targets\n\n| target | measured | holds |\n|---|---|---|");

@@ -11,6 +11,7 @@
 //! starts (JSON parsing is counted on shelfsync's side only; the parse floor says what it costs).
 //! Every import is verified; one that fails is reported as such, without its figures.
 
+pub mod live;
 mod load;
 mod rows;
 mod server;
