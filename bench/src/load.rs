@@ -109,7 +109,7 @@ impl Rng {
 /// Where a command goes: the kit's publisher, or raw publishes of one command each.
 enum Sender {
     Kit(CommandPublisher),
-    Single(Publisher),
+    Single(Box<Publisher>),
 }
 
 async fn generate(ctx: Ctx, mut stopped: watch::Receiver<bool>) -> anyhow::Result<u64> {
@@ -121,7 +121,7 @@ async fn generate(ctx: Ctx, mut stopped: watch::Receiver<bool>) -> anyhow::Resul
             ctx.subjects.clone(),
             CommandPublisherConfig::new(ctx.partitions, max_payload),
         )),
-        Mode::Single => Sender::Single(Publisher::new(ctx.js.clone(), 256)),
+        Mode::Single => Sender::Single(Box::new(Publisher::new(ctx.js.clone(), 256))),
     };
     let mut stored = FuturesUnordered::new();
     let mut rng = Rng(ctx.run_id);

@@ -107,7 +107,13 @@ async fn timed(
                 client
                     .query_one(
                         &upsert,
-                        &[&BRAND, &generation, &vec![c.place], &vec![c.product_id], &vec![c.payload]],
+                        &[
+                            &BRAND,
+                            &generation,
+                            &vec![c.place],
+                            &vec![c.product_id],
+                            &vec![c.payload],
+                        ],
                     )
                     .await?;
                 let committed = now_us();
@@ -124,14 +130,18 @@ async fn timed(
         interval.tick().await;
         let due = (clock.elapsed().as_secs_f64() * rate as f64) as u64;
         for k in sent..due {
-            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            rng =
+                rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
             let place = 1 + ((rng >> 33) % u64::from(p.live_places)) as i64;
             let item = 1 + ((rng >> 17) % u64::from(p.live_items));
             let record = (place as u64).wrapping_mul(31).wrapping_add(item);
             let change = Change {
                 place,
                 product_id: format!("sku-{place}-{item}"),
-                payload: format!("{{\"price\": {}}}", 1_000_000 + (run_id << 32 | k) % 1_000_000_000),
+                payload: format!(
+                    "{{\"price\": {}}}",
+                    1_000_000 + (run_id << 32 | k) % 1_000_000_000
+                ),
                 submitted: now_us(),
             };
             senders[(record % n as u64) as usize].send(change).context("a connection stopped")?;
