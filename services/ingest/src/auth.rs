@@ -22,9 +22,10 @@ use sha2::{Digest as _, Sha256};
 use shelfsync_settings::{
     IngestSettings, PartnerSettings, PushToken, parse_push_tokens_file, parse_push_tokens_list,
 };
-use shelfsync_telemetry::names;
 use subtle::{Choice, ConstantTimeEq};
 use tracing::{info, warn};
+
+use crate::metrics;
 
 /// The `WWW-Authenticate` challenge of every 401.
 const CHALLENGE: &str = r#"Bearer realm="shelfsync-ingest""#;
@@ -334,9 +335,7 @@ impl PushAuth {
         message: String,
     ) -> Response {
         let label = if self.partners.iter().any(|p| p.name == partner) { partner } else { UNKNOWN };
-        metrics::counter!(names::INGEST_PUSH_REFUSED,
-            "partner" => label.to_string(), "reason" => refusal.reason())
-        .increment(1);
+        metrics::push_refused(label, refusal.reason());
         if self.first_time(remote, label, refusal) {
             warn!(%remote, partner = label, reason = refusal.reason(),
                 "push refused (logged once per address, partner and reason)");
