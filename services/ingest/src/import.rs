@@ -132,7 +132,7 @@ impl Importer {
         })?;
         // reqwest is built without a default crypto provider; install ours
         // (an error only means one is installed already).
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        shelfsync_telemetry::install_crypto_provider();
         let http = reqwest::Client::builder()
             .user_agent(concat!("shelfsync-ingest/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
