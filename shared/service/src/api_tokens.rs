@@ -50,6 +50,18 @@ pub struct ApiTokens {
 }
 
 impl ApiTokens {
+    /// [`ApiTokens::load`] for an HTTP API, from the process's environment:
+    /// shared by its handlers; `None` when the API is open.
+    pub fn load_for_api(
+        realm: &str,
+        file: Option<&Path>,
+        env_var: Option<&str>,
+    ) -> anyhow::Result<Option<Arc<ApiTokens>>> {
+        Ok(ApiTokens::load(realm, file, env_var, |var| std::env::var(var).ok())
+            .context("the HTTP API's tokens")?
+            .map(Arc::new))
+    }
+
     /// The tokens of `file` and of the variable `env_var` (looked up with
     /// `env`); `None` when neither is configured (the API is open). A file
     /// that cannot be read, a variable that is not set, or a token under 16
