@@ -99,3 +99,12 @@ def wait_for_port(port, deadline, proc=None):
             if (proc is not None and proc.poll() is not None) or time.time() > deadline:
                 return False
             time.sleep(0.1)
+
+
+def stop(proc, timeout=10):
+    """Terminates `proc` and waits for it; kills it if it has not exited after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 
-from .core import NATS_SERVER, NATS_USERS, PREFIX, TMP, free_port, wait_for_port
+from .core import NATS_SERVER, NATS_USERS, PREFIX, TMP, free_port, stop, wait_for_port
 
 class Raw:
     """A bare NATS protocol client: enough to log in and probe permissions (verbose mode makes
@@ -272,11 +272,7 @@ def probe_permissions(label, conf_path, env):
             srv.close()
             cli.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return errors
 
 

@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from .core import ROOT, TMP, check, fail, free_port, skip, tool, wait_for_port
+from .core import ROOT, TMP, check, fail, free_port, skip, stop, tool, wait_for_port
 
 ACL_USERS = ["storage", "ingest", "aggregator", "cli", "reader", "exporter"]
 NS = "ss"  # redis.namespace the key patterns are written for
@@ -216,11 +216,7 @@ def probe_errors():
                         break
             c.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return errors
 
 
