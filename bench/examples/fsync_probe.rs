@@ -83,16 +83,7 @@ async fn main() -> anyhow::Result<()> {
     let cfg = fresh(stream::RetentionPolicy::WorkQueue);
     let s = js.create_stream(cfg.clone()).await?;
     let prefix = cfg.name.to_lowercase();
-    for b in 0..N / 500 {
-        let msgs = (0..500)
-            .map(|i| BatchMessage {
-                subject: format!("{prefix}.{}", (b * 500 + i) % 64),
-                headers: HeaderMap::new(),
-                payload: payload.clone(),
-            })
-            .collect();
-        publish_atomic(&client, msgs, Duration::from_secs(10)).await?;
-    }
+    fill(&client, &prefix, &payload).await?;
     let consumer = s
         .create_consumer(jetstream::consumer::pull::Config {
             durable_name: Some("c".into()),
@@ -117,6 +108,18 @@ async fn main() -> anyhow::Result<()> {
     let cfg = fresh(stream::RetentionPolicy::Limits);
     let s = js.create_stream(cfg.clone()).await?;
     let prefix = cfg.name.to_lowercase();
+    fill(&client, &prefix, &payload).await?;
+    let t = Instant::now();
+    for p in 0..64 {
+        s.purge().filter(format!("{prefix}.{p}")).sequence(N as u64 + 1).await?;
+    }
+    println!("64 purges (one a partition): {:?}", t.elapsed());
+    Ok(())
+}
+
+/// Stores `N` messages over the 64 subjects under `prefix`, in atomic
+/// batches of 500.
+async fn fill(client: &async_nats::Client, prefix: &str, payload: &Bytes) -> anyhow::Result<()> {
     for b in 0..N / 500 {
         let msgs = (0..500)
             .map(|i| BatchMessage {
@@ -125,12 +128,7 @@ async fn main() -> anyhow::Result<()> {
                 payload: payload.clone(),
             })
             .collect();
-        publish_atomic(&client, msgs, Duration::from_secs(10)).await?;
+        publish_atomic(client, msgs, Duration::from_secs(10)).await?;
     }
-    let t = Instant::now();
-    for p in 0..64 {
-        s.purge().filter(format!("{prefix}.{p}")).sequence(N as u64 + 1).await?;
-    }
-    println!("64 purges (one a partition): {:?}", t.elapsed());
     Ok(())
 }

@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use shelfsync_bus::Subjects;
 use shelfsync_settings::Settings;
 
+use crate::reference::{RefKind, stats_subject};
 use crate::world::{World, free_port};
 use crate::{http, measure};
 use shelfsync_testkit::settings_env;
@@ -75,22 +76,6 @@ impl Drop for ChildProc {
 /// This binary, to start child roles from.
 pub fn this_exe() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("locating this executable")
-}
-
-/// Which reference loop a child runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RefKind {
-    Floor,
-    Naive,
-}
-
-impl RefKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            RefKind::Floor => "floor",
-            RefKind::Naive => "naive",
-        }
-    }
 }
 
 /// A system a re-import is measured on.
@@ -235,7 +220,7 @@ impl Target {
 
 /// The counters a reference loop answers on `<prefix>.bench.stats`.
 async fn reference_stats(world: &World, prefix: &str) -> anyhow::Result<serde_json::Value> {
-    let subject = crate::reference::stats_subject(prefix);
+    let subject = stats_subject(prefix);
     let reply = tokio::time::timeout(
         Duration::from_secs(5),
         world.client.request(subject, bytes::Bytes::new()),

@@ -31,7 +31,21 @@ use shelfsync_settings::Settings;
 use shelfsync_storage::RedisConn;
 use shelfsync_storage::store::Keys;
 
-use crate::children::RefKind;
+/// Which reference loop a child runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefKind {
+    Floor,
+    Naive,
+}
+
+impl RefKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RefKind::Floor => "floor",
+            RefKind::Naive => "naive",
+        }
+    }
+}
 
 pub fn stats_subject(prefix: &str) -> String {
     format!("{prefix}.bench.stats")

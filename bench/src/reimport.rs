@@ -10,18 +10,12 @@ use std::time::{Duration, Instant};
 
 use shelfsync_ingest::{ImportConfig, Importer, Source};
 
-use crate::children::{RefKind, Target};
+use crate::children::Target;
 use crate::feeds::Feeds;
 use crate::measure::{self, RedisInfo};
-use crate::report::{ImportRow, RedisMemory, Report};
+use crate::reference::RefKind;
+use crate::report::{CHURN, CHURN_BACK, IDENTICAL, INITIAL, ImportRow, RedisMemory, Report};
 use crate::world::{World, partner};
-
-/// Names of the full-dump scenarios, shared with the PostgreSQL peer so the report can put
-/// the same imports side by side.
-pub const INITIAL: &str = "initial import";
-pub const IDENTICAL: &str = "identical re-import";
-pub const CHURN: &str = "re-import, 1% churn";
-pub const CHURN_BACK: &str = "re-import, 1% churn back";
 
 /// Longest an import may take to settle before the run is declared broken.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30 * 60);

@@ -7,9 +7,9 @@ use shelfsync_ingest::{ImportConfig, Importer, Source};
 use shelfsync_service::Service as _;
 use shelfsync_settings::Settings;
 
-use crate::children::RefKind;
 use crate::cli::ChildRole;
 use crate::measure;
+use crate::reference::RefKind;
 
 pub async fn run(role: ChildRole) -> anyhow::Result<()> {
     // As `shelfsync_service::start` does in every service (and `shelfsync import`); only in the

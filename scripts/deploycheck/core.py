@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 
 ROOT = pathlib.Path(os.environ.get("ROOT") or pathlib.Path(__file__).resolve().parents[2])
 KUBECTL = os.environ.get("KUBECTL") or ""
@@ -85,3 +86,25 @@ def note(text):
     """Something to know that is not a failure (printed once, at the end)."""
     if text not in NOTES:
         NOTES.append(text)
+
+
+def wait_for_port(port, deadline, proc=None):
+    """Waits until something listens on 127.0.0.1:`port`. False once `time.time()` passes
+    `deadline` or `proc` (when given) has exited."""
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.time() > deadline:
+                return False
+            time.sleep(0.1)
+
+
+def stop(proc, timeout=10):
+    """Terminates `proc` and waits for it; kills it if it has not exited after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -13,7 +12,7 @@ import urllib.request
 import yaml
 
 from .compose import COMPOSE_CONFIG
-from .core import NATS_SERVER, ROOT, SERVICES, TMP, check, free_port, run, skip, tool
+from .core import NATS_SERVER, ROOT, SERVICES, TMP, check, free_port, run, skip, tool, wait_for_port
 from .nats_checks import nats_env_defaults
 from .redisacl import acl_env
 from .settings_schema import PENDING_KEYS, SCHEMA
@@ -141,14 +140,8 @@ def check_live():
               {**redis_pw, "REDIS_ACL_FILE": str(TMP / "live-users.acl")})
         deadline = time.time() + 15
         for port in (nport, rport):
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise RuntimeError(f"port {port} did not open")
-                    time.sleep(0.1)
+            if not wait_for_port(port, deadline):
+                raise RuntimeError(f"port {port} did not open")
         cli(["setup"])
         ports = {}
         for name, (binary, _, listen, user) in SERVICES.items():

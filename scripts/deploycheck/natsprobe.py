@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 
-from .core import NATS_SERVER, NATS_USERS, PREFIX, TMP, free_port
+from .core import NATS_SERVER, NATS_USERS, PREFIX, TMP, free_port, stop, wait_for_port
 
 class Raw:
     """A bare NATS protocol client: enough to log in and probe permissions (verbose mode makes
@@ -218,15 +218,8 @@ def probe_permissions(label, conf_path, env):
                                 stdout=out, stderr=subprocess.STDOUT)
     errors = []
     try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    return [f"nats-server did not start: {log.read_text()[-2000:]}"]
-                time.sleep(0.1)
+        if not wait_for_port(port, time.time() + 10, proc):
+            return [f"nats-server did not start: {log.read_text()[-2000:]}"]
         passwords = {u: env[f"NATS_{u.upper()}_PASSWORD"] for u in NATS_USERS}
         # Logins: anonymous and wrong passwords are refused.
         # The system account's user logs in (server administration).
@@ -279,11 +272,7 @@ def probe_permissions(label, conf_path, env):
             srv.close()
             cli.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return errors
 
 

@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from .core import ROOT, TMP, check, fail, free_port, skip, tool
+from .core import ROOT, TMP, check, fail, free_port, skip, stop, tool, wait_for_port
 
 ACL_USERS = ["storage", "ingest", "aggregator", "cli", "reader", "exporter"]
 NS = "ss"  # redis.namespace the key patterns are written for
@@ -188,15 +188,8 @@ def probe_errors():
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     errors = []
     try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    return [f"redis-server with the shipped ACL did not start: {log.read_text()[-1500:]}"]
-                time.sleep(0.1)
+        if not wait_for_port(port, time.time() + 10, proc):
+            return [f"redis-server with the shipped ACL did not start: {log.read_text()[-1500:]}"]
         anon = Resp(port)
         if not str(anon.call("GET", "x")).startswith("err NOAUTH"):
             errors.append("the default user is on: an unauthenticated GET was not refused")
@@ -223,11 +216,7 @@ def probe_errors():
                         break
             c.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return errors
 
 

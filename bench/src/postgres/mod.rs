@@ -28,8 +28,7 @@ use self::server::PgServer;
 use self::sql::Variant;
 use crate::feeds::Feeds;
 use crate::measure;
-use crate::reimport::{CHURN, CHURN_BACK, IDENTICAL, INITIAL};
-use crate::report::{PeerImportRow, PostgresPeer, Report};
+use crate::report::{CHURN, CHURN_BACK, IDENTICAL, INITIAL, PeerImportRow, PostgresPeer, Report};
 use crate::world::World;
 
 /// Rows per statement (ingest's batch size).

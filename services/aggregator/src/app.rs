@@ -73,14 +73,11 @@ impl App {
             format!("cannot connect to Redis at {}", settings.redis.url_redacted())
         })?;
         let a = &settings.aggregator;
-        let tokens = shelfsync_service::ApiTokens::load(
+        let tokens = shelfsync_service::ApiTokens::load_for_api(
             "shelfsync-aggregator",
             a.read_tokens_file.as_deref(),
             a.read_tokens_env.as_deref(),
-            |var| std::env::var(var).ok(),
-        )
-        .context("the HTTP API's tokens")?
-        .map(Arc::new);
+        )?;
         let http = shelfsync_service::bind(&settings.aggregator.http_listen).await?;
         Ok(App { config, client, aggregator, http, tokens })
     }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use prost::Message;
-use shelfsync_bus::{Publisher, Subjects};
+use shelfsync_bus::{PublishFailed, Publisher, Subjects};
 use shelfsync_feed::{FeedStatus, Handler, HandlerError, Update, UpdateKind};
 use shelfsync_proto::{AggregateChange, CategoryFlip, msg_type, now_us};
 use tokio::sync::Mutex;
@@ -242,6 +242,17 @@ impl Engine {
         Ok(())
     }
 
+    /// Publishes one aggregate change under its message id.
+    async fn publish_change(
+        &mut self,
+        subject: String,
+        msg_id: String,
+        msg: &AggregateChange,
+    ) -> Result<(), PublishFailed> {
+        let payload = msg.encode_to_vec().into();
+        self.publisher.publish(subject, msg_id, msg_type::AGGREGATE_CHANGE, None, payload).await
+    }
+
     /// Publishes every change and waits for JetStream to store them all.
     async fn publish(&mut self, cards: &[CardChange], flips: &[Flip]) -> Result<(), HandlerError> {
         let result = self.publish_all(cards, flips).await;
@@ -260,16 +271,8 @@ impl Engine {
         let failed = transient("publish");
         for c in cards {
             let msg = AggregateChange { card: Some(c.card.clone()), category: None, at: c.at };
-            self.publisher
-                .publish(
-                    self.subjects.aggregates_card(&c.id.region),
-                    card_msg_id(c),
-                    msg_type::AGGREGATE_CHANGE,
-                    None,
-                    msg.encode_to_vec().into(),
-                )
-                .await
-                .map_err(|e| failed(&e))?;
+            let subject = self.subjects.aggregates_card(&c.id.region);
+            self.publish_change(subject, card_msg_id(c), &msg).await.map_err(|e| failed(&e))?;
         }
         for f in flips {
             let msg = AggregateChange {
@@ -282,16 +285,8 @@ impl Engine {
                 }),
                 at: f.at,
             };
-            self.publisher
-                .publish(
-                    self.subjects.aggregates_category(f.place.brand_id, f.place.place_id),
-                    flip_msg_id(f),
-                    msg_type::AGGREGATE_CHANGE,
-                    None,
-                    msg.encode_to_vec().into(),
-                )
-                .await
-                .map_err(|e| failed(&e))?;
+            let subject = self.subjects.aggregates_category(f.place.brand_id, f.place.place_id);
+            self.publish_change(subject, flip_msg_id(f), &msg).await.map_err(|e| failed(&e))?;
         }
         self.publisher.flush().await.map_err(|e| failed(&e))
     }

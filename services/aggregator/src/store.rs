@@ -289,10 +289,16 @@ impl Store {
         if dirty.is_empty() {
             return Ok(());
         }
+        self.dirty_set("SADD", dirty).await
+    }
+
+    /// Adds (`SADD`) or removes (`SREM`) aggregates in the dirty set, in
+    /// chunks of one pipeline.
+    async fn dirty_set(&self, op: &str, dirty: &[Dirty]) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
         for chunk in dirty.chunks(CHUNK) {
             let members: Vec<String> = chunk.iter().map(Dirty::encode).collect();
-            pipe.cmd("SADD").arg(self.keys.dirty()).arg(members).ignore();
+            pipe.cmd(op).arg(self.keys.dirty()).arg(members).ignore();
         }
         let mut conn = self.conn.clone();
         pipe.query_async::<()>(&mut conn).await?;
@@ -499,13 +505,7 @@ impl Store {
         // Only once what was published is stored: a mark cleared too early
         // would leave an aggregate unchecked after a crash.
         if !done.is_empty() {
-            let mut pipe = redis::pipe();
-            for chunk in done.chunks(CHUNK) {
-                let members: Vec<String> = chunk.iter().map(Dirty::encode).collect();
-                pipe.cmd("SREM").arg(self.keys.dirty()).arg(members).ignore();
-            }
-            let mut conn = self.conn.clone();
-            pipe.query_async::<()>(&mut conn).await?;
+            self.dirty_set("SREM", done).await?;
         }
         Ok(())
     }

@@ -36,6 +36,7 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{PushAuth, Refusal};
 use crate::import::{ImportConfig, Importer};
+use crate::metrics;
 use crate::report::ImportError;
 use crate::source::Source;
 
@@ -271,8 +272,7 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, drain: Drain) {
     let (Some(source), Some(every)) = (partner.source.clone(), partner.poll_interval) else {
         return;
     };
-    metrics::gauge!(shelfsync_telemetry::names::INGEST_POLL_INTERVAL, "partner" => partner.name.clone())
-        .set(every.as_secs_f64());
+    metrics::poll_interval(&partner.name, every);
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A file is imported again only when its modification time or size changed.

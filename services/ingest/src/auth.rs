@@ -11,7 +11,6 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
-use std::time::SystemTime;
 
 use anyhow::{anyhow, bail};
 use axum::Json;
@@ -19,12 +18,14 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
+use shelfsync_service::FileSignature;
 use shelfsync_settings::{
     IngestSettings, PartnerSettings, PushToken, parse_push_tokens_file, parse_push_tokens_list,
 };
-use shelfsync_telemetry::names;
 use subtle::{Choice, ConstantTimeEq};
 use tracing::{info, warn};
+
+use crate::metrics;
 
 /// The `WWW-Authenticate` challenge of every 401.
 const CHALLENGE: &str = r#"Bearer realm="shelfsync-ingest""#;
@@ -111,29 +112,10 @@ impl Refusal {
     }
 }
 
-/// What identifies one version of a tokens file: a rewrite changes the
-/// modification time or the size, an atomic replace (a Kubernetes secret
-/// update swaps a symlink) the inode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Signature {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
-}
-
-fn signature(path: &Path) -> std::io::Result<Signature> {
-    let meta = std::fs::metadata(path)?;
-    #[cfg(unix)]
-    let inode = std::os::unix::fs::MetadataExt::ino(&meta);
-    #[cfg(not(unix))]
-    let inode = 0;
-    Ok(Signature { modified: meta.modified().ok(), len: meta.len(), inode })
-}
-
 /// Reads and parses a tokens file. The signature is taken first: a change
 /// during the read shows at the next look.
-fn read_tokens_file(path: &Path) -> Result<(Signature, Vec<PushToken>), String> {
-    let sig = signature(path).map_err(|e| e.to_string())?;
+fn read_tokens_file(path: &Path) -> Result<(FileSignature, Vec<PushToken>), String> {
+    let sig = FileSignature::of(path).map_err(|e| e.to_string())?;
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     let tokens = parse_push_tokens_file(&text).map_err(|e| e.to_string())?;
     Ok((sig, tokens))
@@ -146,7 +128,7 @@ struct TokenFile {
 
 struct FileState {
     /// Of the file the tokens were last read from; `None` once it is gone.
-    signature: Option<Signature>,
+    signature: Option<FileSignature>,
     tokens: Vec<Digest>,
     /// The last look failed (and was logged): it is logged again only
     /// after a good read.
@@ -164,7 +146,7 @@ impl TokenFile {
     /// last good tokens (a half-written edit must not lock the partner out).
     fn refresh(&self, partner: &str) {
         let mut state = self.state();
-        match signature(&self.path) {
+        match FileSignature::of(&self.path) {
             Ok(sig) if Some(sig) == state.signature => {
                 state.failing = false;
                 return;
@@ -334,9 +316,7 @@ impl PushAuth {
         message: String,
     ) -> Response {
         let label = if self.partners.iter().any(|p| p.name == partner) { partner } else { UNKNOWN };
-        metrics::counter!(names::INGEST_PUSH_REFUSED,
-            "partner" => label.to_string(), "reason" => refusal.reason())
-        .increment(1);
+        metrics::push_refused(label, refusal.reason());
         if self.first_time(remote, label, refusal) {
             warn!(%remote, partner = label, reason = refusal.reason(),
                 "push refused (logged once per address, partner and reason)");

@@ -62,6 +62,7 @@ use crate::item::{Item, ItemRules, Reason, Reject};
 
 mod cut;
 mod intake;
+mod keys;
 mod ndjson;
 mod nested;
 #[cfg(test)]

@@ -41,13 +41,14 @@ use shelfsync_settings::{
     Compression, ImportKind, IngestSettings, NatsSettings, PartnerSettings, RedisSettings,
     Settings, Topology,
 };
-use shelfsync_telemetry::{chain, names};
+use shelfsync_telemetry::chain;
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::feed::{FeedEvent, Stopped, parse_feed};
 use crate::item::{CommandContext, ItemRules, OwnedFields, to_encoded_command, to_rejection};
 use crate::lease::{Holder, Lease};
+use crate::metrics;
 use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
 use crate::source::{self, FeedReader, Opened, Source, Validators};
 use crate::state::{GENERATION_SLOT, State};
@@ -131,7 +132,7 @@ impl Importer {
         })?;
         // reqwest is built without a default crypto provider; install ours
         // (an error only means one is installed already).
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        shelfsync_telemetry::install_crypto_provider();
         let http = reqwest::Client::builder()
             .user_agent(concat!("shelfsync-ingest/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(Duration::from_secs(10))
@@ -270,8 +271,7 @@ impl Importer {
                 info!(status = ?r.status, items, rejected, sweeps, bytes_in, ms = r.duration_ms, "import finished");
                 let now =
                     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-                metrics::gauge!(names::INGEST_LAST_SUCCESS, "partner" => r.partner.clone())
-                    .set(now);
+                metrics::last_success(&r.partner, now);
             }
             Some(error) => warn!(error, items, rejected, bytes_in, "import failed, nothing swept"),
         }
@@ -335,8 +335,7 @@ impl Importer {
             let swept = run.sweep(&known).await?;
             let remembered =
                 self.state.remember_places(&partner.name, &seen, generation, forget).await?;
-            metrics::gauge!(names::INGEST_KNOWN_PLACES, "partner" => partner.name.clone())
-                .set(remembered as f64);
+            metrics::known_places(&partner.name, remembered);
             self.sweep_outcomes(partner, &swept, run.report).await?;
         }
         if is_url && fresh != known {

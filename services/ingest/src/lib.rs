@@ -28,6 +28,7 @@ pub mod feed;
 mod import;
 pub mod item;
 mod lease;
+mod metrics;
 mod report;
 mod source;
 mod state;

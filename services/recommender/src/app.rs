@@ -51,14 +51,11 @@ impl App {
                 format!("cannot connect to NATS at {}", settings.nats.url_redacted())
             })?;
         let r = &settings.recommender;
-        let tokens = shelfsync_service::ApiTokens::load(
+        let tokens = shelfsync_service::ApiTokens::load_for_api(
             "shelfsync-recommender",
             r.read_tokens_file.as_deref(),
             r.read_tokens_env.as_deref(),
-            |var| std::env::var(var).ok(),
-        )
-        .context("the HTTP API's tokens")?
-        .map(Arc::new);
+        )?;
         let http = shelfsync_service::bind(&settings.recommender.http_listen).await?;
         let feed_name = feed_name();
         let cfg = FeedConfig {

@@ -130,10 +130,7 @@ impl Validator {
         .await?;
         self.stats.hides.fetch_add(hides, Ordering::Relaxed);
         self.stats.unhides.fetch_add(unhides, Ordering::Relaxed);
-        metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "hide")
-            .increment(hides);
-        metrics::counter!(shelfsync_telemetry::names::VALIDATOR_DECISIONS, "decision" => "unhide")
-            .increment(unhides);
+        crate::metrics::decisions(hides, unhides);
         let after = self.publisher.counts().duplicates.load(Ordering::Relaxed);
         self.stats.duplicates.fetch_add(after - before, Ordering::Relaxed);
         Ok(())

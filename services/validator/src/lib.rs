@@ -18,6 +18,7 @@
 mod app;
 pub mod decide;
 pub mod handler;
+mod metrics;
 pub mod rules;
 
 pub use app::{App, feed_config};

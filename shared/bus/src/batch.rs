@@ -21,15 +21,40 @@ fn framed_len(len: usize) -> usize {
     1 + prost::length_delimiter_len(len) + len
 }
 
+/// A batch a [`Batcher`] fills: the commands of one partition, as a
+/// `CommandBatch` ([`CommandBatcher`]) or as its message's bytes
+/// ([`EncodedBatcher`]).
+pub trait PartitionBatch {
+    /// What a command is when it is added.
+    type Command;
+    /// An empty batch of `partition`.
+    fn empty(partition: Partition) -> Self;
+    /// The brand and place a command is routed by.
+    fn key(cmd: &Self::Command) -> (i64, i64);
+    /// A command's encoded length, unframed.
+    fn command_len(cmd: &Self::Command) -> usize;
+    fn add(&mut self, cmd: Self::Command);
+    /// How many commands the batch holds.
+    fn count(&self) -> usize;
+}
+
 /// Groups commands by partition and hands out full batches.
-pub struct CommandBatcher {
+pub struct Batcher<B> {
     partitions: u32,
     max_commands: usize,
     max_bytes: usize,
-    pending: HashMap<Partition, (CommandBatch, usize)>,
+    pending: HashMap<Partition, (B, usize)>,
 }
 
-impl CommandBatcher {
+/// [`Batcher`] of `Command`s.
+pub type CommandBatcher = Batcher<CommandBatch>;
+
+/// [`Batcher`] for commands encoded once, where they are made: none is
+/// measured or encoded again here, and a batch is its message's bytes. It
+/// closes its batches exactly where [`CommandBatcher`] would.
+pub type EncodedBatcher = Batcher<EncodedBatch>;
+
+impl<B: PartitionBatch> Batcher<B> {
     pub fn new(partitions: u32, max_commands: usize, max_bytes: usize) -> Self {
         Self {
             partitions,
@@ -42,41 +67,38 @@ impl CommandBatcher {
     /// Adds a command; returns the batches that became full. A batch is
     /// closed before a command that would push it over `max_bytes`, and when
     /// it reaches `max_commands`.
-    pub fn push(&mut self, cmd: Command) -> Vec<(Partition, CommandBatch)> {
-        let key = cmd.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id));
-        let partition = partition_of(key.0, key.1, self.partitions);
-        let len = framed_len(cmd.encoded_len());
+    pub fn push(&mut self, cmd: B::Command) -> Vec<(Partition, B)> {
+        let (brand_id, place_id) = B::key(&cmd);
+        let partition = partition_of(brand_id, place_id, self.partitions);
+        let len = framed_len(B::command_len(&cmd));
         let mut out = Vec::new();
-        let entry = self.pending.entry(partition).or_insert_with(|| {
-            (CommandBatch { partition: partition.0, ..Default::default() }, batch_overhead())
-        });
-        if !entry.0.commands.is_empty() && entry.1 + len > self.max_bytes {
-            let full = std::mem::replace(
-                &mut entry.0,
-                CommandBatch { partition: partition.0, ..Default::default() },
-            );
-            entry.1 = batch_overhead();
-            out.push((partition, full));
+        let entry = self
+            .pending
+            .entry(partition)
+            .or_insert_with(|| (B::empty(partition), batch_overhead()));
+        if entry.0.count() > 0 && entry.1 + len > self.max_bytes {
+            out.push((partition, Self::close(entry, partition)));
         }
-        entry.0.commands.push(cmd);
+        entry.0.add(cmd);
         entry.1 += len;
-        if entry.0.commands.len() >= self.max_commands {
-            let full = std::mem::replace(
-                &mut entry.0,
-                CommandBatch { partition: partition.0, ..Default::default() },
-            );
-            entry.1 = batch_overhead();
-            out.push((partition, full));
+        if entry.0.count() >= self.max_commands {
+            out.push((partition, Self::close(entry, partition)));
         }
         out
     }
 
+    /// Takes the batch of `entry` out, leaving an empty one.
+    fn close(entry: &mut (B, usize), partition: Partition) -> B {
+        entry.1 = batch_overhead();
+        std::mem::replace(&mut entry.0, B::empty(partition))
+    }
+
     /// Every non-empty pending batch, in partition order.
-    pub fn drain(&mut self) -> Vec<(Partition, CommandBatch)> {
+    pub fn drain(&mut self) -> Vec<(Partition, B)> {
         let mut out: Vec<_> = self
             .pending
             .drain()
-            .filter(|(_, (b, _))| !b.commands.is_empty())
+            .filter(|(_, (b, _))| b.count() > 0)
             .map(|(p, (b, _))| (p, b))
             .collect();
         out.sort_by_key(|(p, _)| *p);
@@ -84,7 +106,31 @@ impl CommandBatcher {
     }
 
     pub fn pending_commands(&self) -> usize {
-        self.pending.values().map(|(b, _)| b.commands.len()).sum()
+        self.pending.values().map(|(b, _)| b.count()).sum()
+    }
+}
+
+impl PartitionBatch for CommandBatch {
+    type Command = Command;
+
+    fn empty(partition: Partition) -> Self {
+        CommandBatch { partition: partition.0, ..Default::default() }
+    }
+
+    fn key(cmd: &Command) -> (i64, i64) {
+        cmd.key.as_ref().map_or((0, 0), |k| (k.brand_id, k.place_id))
+    }
+
+    fn command_len(cmd: &Command) -> usize {
+        cmd.encoded_len()
+    }
+
+    fn add(&mut self, cmd: Command) {
+        self.commands.push(cmd);
+    }
+
+    fn count(&self) -> usize {
+        self.commands.len()
     }
 }
 
@@ -149,65 +195,27 @@ impl EncodedBatch {
     }
 }
 
-/// [`CommandBatcher`] for commands encoded once, where they are made: none
-/// is measured or encoded again here, and a batch is its message's bytes.
-pub struct EncodedBatcher {
-    partitions: u32,
-    max_commands: usize,
-    max_bytes: usize,
-    pending: HashMap<Partition, (EncodedBatch, usize)>,
-}
+impl PartitionBatch for EncodedBatch {
+    type Command = EncodedCommand;
 
-impl EncodedBatcher {
-    /// The same limits as [`CommandBatcher::new`].
-    pub fn new(partitions: u32, max_commands: usize, max_bytes: usize) -> Self {
-        Self {
-            partitions,
-            max_commands: max_commands.clamp(1, 1000),
-            max_bytes,
-            pending: HashMap::new(),
-        }
+    fn empty(partition: Partition) -> Self {
+        EncodedBatch::new(partition)
     }
 
-    /// Adds a command; returns the batches that became full, closed where
-    /// [`CommandBatcher::push`] closes them.
-    pub fn push(&mut self, cmd: EncodedCommand) -> Vec<(Partition, EncodedBatch)> {
-        let partition = partition_of(cmd.brand_id, cmd.place_id, self.partitions);
-        let len = framed_len(cmd.bytes.len());
-        let mut out = Vec::new();
-        let entry = self
-            .pending
-            .entry(partition)
-            .or_insert_with(|| (EncodedBatch::new(partition), batch_overhead()));
-        if !entry.0.is_empty() && entry.1 + len > self.max_bytes {
-            let full = std::mem::replace(&mut entry.0, EncodedBatch::new(partition));
-            entry.1 = batch_overhead();
-            out.push((partition, full));
-        }
-        entry.0.push(&cmd.bytes);
-        entry.1 += len;
-        if entry.0.len() >= self.max_commands {
-            let full = std::mem::replace(&mut entry.0, EncodedBatch::new(partition));
-            entry.1 = batch_overhead();
-            out.push((partition, full));
-        }
-        out
+    fn key(cmd: &EncodedCommand) -> (i64, i64) {
+        (cmd.brand_id, cmd.place_id)
     }
 
-    /// Every non-empty pending batch, in partition order.
-    pub fn drain(&mut self) -> Vec<(Partition, EncodedBatch)> {
-        let mut out: Vec<_> = self
-            .pending
-            .drain()
-            .filter(|(_, (b, _))| !b.is_empty())
-            .map(|(p, (b, _))| (p, b))
-            .collect();
-        out.sort_by_key(|(p, _)| *p);
-        out
+    fn command_len(cmd: &EncodedCommand) -> usize {
+        cmd.bytes.len()
     }
 
-    pub fn pending_commands(&self) -> usize {
-        self.pending.values().map(|(b, _)| b.len()).sum()
+    fn add(&mut self, cmd: EncodedCommand) {
+        self.push(&cmd.bytes);
+    }
+
+    fn count(&self) -> usize {
+        self.commands
     }
 }
 

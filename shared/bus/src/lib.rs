@@ -34,7 +34,10 @@ use async_nats::jetstream::{self, stream};
 use shelfsync_settings::{NatsSettings, Topology};
 use shelfsync_telemetry::chain;
 
-pub use batch::{CommandBatcher, EncodedBatch, EncodedBatcher, EncodedCommand, batch_overhead};
+pub use batch::{
+    Batcher, CommandBatcher, EncodedBatch, EncodedBatcher, EncodedCommand, PartitionBatch,
+    batch_overhead,
+};
 pub use commands::{
     CommandPublishError, CommandPublisher, CommandPublisherConfig, Counts as CommandCounts,
 };

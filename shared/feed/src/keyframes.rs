@@ -10,7 +10,7 @@ use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::{KeyframeBatch, KeyframeMark, PlaceKey};
 
-use crate::FeedError;
+use crate::handler::FeedError;
 
 /// How long a reader waits for a keyframe being written: 600 × 100 ms.
 const WAIT_STEPS: u32 = 600;

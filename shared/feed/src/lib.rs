@@ -23,16 +23,19 @@
 //!   `shelfsync_feed_drift_repairs_total`.
 //!
 //! Modules: `state` (pure bookkeeping), `keyframes` (reading snapshots back),
-//! `update` (typed access). It never touches Redis.
+//! `update` (typed access), `handler` (the service's side and the errors),
+//! `config` (set-up and counters). It never touches Redis.
 #![forbid(unsafe_code)]
 
+mod config;
+mod handler;
 pub mod keyframes;
 pub mod state;
 pub mod update;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use shelfsync_telemetry::{chain, names};
@@ -45,6 +48,8 @@ use shelfsync_proto::{ChangeBatch, KeyframeMark};
 use shelfsync_settings::NatsSettings;
 use tracing::{Instrument, debug, info, warn};
 
+pub use config::{Bootstrap, FeedConfig, FeedStatus};
+pub use handler::{FeedError, Handler, HandlerError};
 pub use keyframes::KeyframeReader;
 pub use shelfsync_proto::PlaceKey;
 pub use state::{Check, FeedState};
@@ -52,131 +57,6 @@ pub use update::{Update, UpdateKind, is_live, is_offered, is_visible, product_of
 
 /// How often the consumer's lag is sampled.
 const LAG_EVERY: Duration = Duration::from_secs(5);
-
-/// Why the feed stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum FeedError {
-    #[error("nats: {0}")]
-    Nats(String),
-    #[error("corrupt message: {0}")]
-    Corrupt(String),
-    #[error("handler failed during bootstrap: {0}")]
-    Bootstrap(String),
-}
-
-/// What a handler says when it cannot apply updates.
-#[derive(Debug, thiserror::Error)]
-pub enum HandlerError {
-    /// Retry later (a dependency is down): the message is redelivered.
-    #[error("transient: {0}")]
-    Transient(String),
-    /// Never going to work: the message is terminated and counted.
-    #[error("poison: {0}")]
-    Poison(String),
-}
-
-/// A consumer of record updates.
-pub trait Handler: Send {
-    /// Applies updates, in order. Called with the changes of one message,
-    /// or with one keyframe part. Must be idempotent per record version.
-    fn apply(
-        &mut self,
-        updates: &[Update],
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
-
-    /// Forgets everything about a place (a keyframe of it follows).
-    fn reset_place(
-        &mut self,
-        place: PlaceKey,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
-}
-
-/// How a feed starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bootstrap {
-    /// Load the latest keyframes, then tail from where they were taken. The
-    /// durable consumer is recreated at every start (state is in memory).
-    Keyframe,
-    /// No snapshot: resume the durable consumer (new changes only when it is
-    /// created). For stateless services whose replicas share one consumer.
-    Resume,
-}
-
-#[derive(Debug, Clone)]
-pub struct FeedConfig {
-    /// Durable consumer name: one per service (and per instance when
-    /// bootstrapping from keyframes).
-    pub name: String,
-    /// The `consumer` label of the feed's lag metric: the same after a
-    /// restart, unlike a per-instance `name` (the service's name then).
-    pub metric_label: String,
-    pub brand: Option<i64>,
-    pub place: Option<i64>,
-    pub bootstrap: Bootstrap,
-    /// Ask storage for a keyframe when a bootstrap finds none.
-    pub request_keyframe_if_missing: bool,
-    /// How many storage replicas answer such a request (each keyframes
-    /// the partitions it owns): the deployment's `storage.replicas`.
-    pub keyframe_responders: u32,
-    pub ack_wait: Duration,
-    /// Messages in flight to this consumer.
-    pub max_ack_pending: i64,
-}
-
-impl FeedConfig {
-    /// A consumer named `name`, its metrics labelled `name` too.
-    pub fn new(name: impl Into<String>) -> Self {
-        let name = name.into();
-        Self {
-            metric_label: name.clone(),
-            name,
-            brand: None,
-            place: None,
-            bootstrap: Bootstrap::Keyframe,
-            request_keyframe_if_missing: true,
-            keyframe_responders: 1,
-            ack_wait: Duration::from_secs(30),
-            max_ack_pending: 1000,
-        }
-    }
-}
-
-/// Counters a service exposes (readiness, metrics, tests).
-#[derive(Debug, Default)]
-pub struct FeedStatus {
-    pub bootstrapped: AtomicBool,
-    /// Records delivered to the handler (snapshot ones included).
-    pub delivered: AtomicU64,
-    /// Changes skipped as not newer than what was delivered.
-    pub duplicates: AtomicU64,
-    pub keyframe_checks: AtomicU64,
-    pub drift_repairs: AtomicU64,
-    pub poison: AtomicU64,
-    /// CHANGES stream sequence of the last message handled.
-    pub position: AtomicU64,
-}
-
-impl FeedStatus {
-    pub fn get(c: &AtomicU64) -> u64 {
-        c.load(Ordering::Relaxed)
-    }
-
-    /// True once the bootstrap is done (or was not needed): the feed is
-    /// live, what readiness probes wait for.
-    pub fn is_bootstrapped(&self) -> bool {
-        self.bootstrapped.load(Ordering::SeqCst)
-    }
-
-    /// Publishes these counters as the process's `shelfsync_feed_*`
-    /// metrics (one feed per service process); drift repairs are counted
-    /// where they happen. Call it inside `render_metrics_after`.
-    pub fn record_metrics(&self) {
-        metrics::counter!(names::FEED_DELIVERED).absolute(Self::get(&self.delivered));
-        metrics::counter!(names::FEED_DUPLICATES).absolute(Self::get(&self.duplicates));
-        metrics::counter!(names::FEED_POISON).absolute(Self::get(&self.poison));
-        metrics::gauge!(names::FEED_POSITION).set(Self::get(&self.position) as f64);
-    }
-}
 
 /// A running subscription to the change stream.
 pub struct ChangeFeed {
@@ -602,10 +482,4 @@ fn place_of_subject(subject: &str) -> Option<PlaceKey> {
     let p = t.next()?.parse().ok()?;
     let b = t.next()?.parse().ok()?;
     Some(PlaceKey::new(b, p))
-}
-
-impl From<FeedError> for HandlerError {
-    fn from(e: FeedError) -> Self {
-        HandlerError::Transient(e.to_string())
-    }
 }

@@ -64,7 +64,7 @@ impl RedisConn {
         let certs = tls_certificates(cfg)?;
         if cfg.url.contains("rediss://") {
             // rustls is built without a default provider: use ring, as NATS does.
-            let _ = rustls::crypto::ring::default_provider().install_default();
+            shelfsync_telemetry::install_crypto_provider();
         }
         if cfg.cluster {
             let nodes: Vec<String> = cfg.urls().iter().map(|u| with_scheme(u)).collect();

@@ -8,7 +8,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use anyhow::{Context as _, anyhow};
 use axum::Router;
@@ -21,32 +20,16 @@ use shelfsync_settings::{parse_push_tokens_file, parse_push_tokens_list};
 use subtle::{Choice, ConstantTimeEq};
 use tracing::{info, warn};
 
+use crate::FileSignature;
+
 type Digest = [u8; 32];
 
 fn digest(token: &str) -> Digest {
     Sha256::digest(token.as_bytes()).into()
 }
 
-/// What identifies one version of the file (a rewrite changes the time or
-/// size, a Kubernetes secret update the inode).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Signature {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
-}
-
-fn signature(path: &Path) -> std::io::Result<Signature> {
-    let meta = std::fs::metadata(path)?;
-    #[cfg(unix)]
-    let inode = std::os::unix::fs::MetadataExt::ino(&meta);
-    #[cfg(not(unix))]
-    let inode = 0;
-    Ok(Signature { modified: meta.modified().ok(), len: meta.len(), inode })
-}
-
-fn read_file(path: &Path) -> anyhow::Result<(Signature, Vec<Digest>)> {
-    let sig = signature(path)?;
+fn read_file(path: &Path) -> anyhow::Result<(FileSignature, Vec<Digest>)> {
+    let sig = FileSignature::of(path)?;
     let text = std::fs::read_to_string(path)?;
     let tokens = parse_push_tokens_file(&text)?;
     Ok((sig, tokens.iter().map(|t| digest(t.expose())).collect()))
@@ -55,7 +38,7 @@ fn read_file(path: &Path) -> anyhow::Result<(Signature, Vec<Digest>)> {
 struct FileTokens {
     path: PathBuf,
     /// The file's version last read (`None`: gone) and its tokens.
-    state: Mutex<(Option<Signature>, Vec<Digest>)>,
+    state: Mutex<(Option<FileSignature>, Vec<Digest>)>,
 }
 
 /// The tokens an API accepts.
@@ -67,6 +50,18 @@ pub struct ApiTokens {
 }
 
 impl ApiTokens {
+    /// [`ApiTokens::load`] for an HTTP API, from the process's environment:
+    /// shared by its handlers; `None` when the API is open.
+    pub fn load_for_api(
+        realm: &str,
+        file: Option<&Path>,
+        env_var: Option<&str>,
+    ) -> anyhow::Result<Option<Arc<ApiTokens>>> {
+        Ok(ApiTokens::load(realm, file, env_var, |var| std::env::var(var).ok())
+            .context("the HTTP API's tokens")?
+            .map(Arc::new))
+    }
+
     /// The tokens of `file` and of the variable `env_var` (looked up with
     /// `env`); `None` when neither is configured (the API is open). A file
     /// that cannot be read, a variable that is not set, or a token under 16
@@ -116,7 +111,7 @@ impl ApiTokens {
     fn file_tokens(&self) -> Vec<Digest> {
         let Some(file) = &self.file else { return Vec::new() };
         let mut state = file.state.lock().unwrap_or_else(|e| e.into_inner());
-        match signature(&file.path) {
+        match FileSignature::of(&file.path) {
             Ok(sig) if Some(sig) == state.0 => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if state.0.is_some() {

@@ -41,7 +41,7 @@ pub(crate) fn span_exporter(
         }
         Protocol::HttpProtobuf => {
             // The HTTP client's TLS takes the process's crypto provider.
-            let _ = rustls::crypto::ring::default_provider().install_default();
+            crate::tls::install_crypto_provider();
             let mut builder = opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
                 .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)

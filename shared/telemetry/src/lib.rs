@@ -66,6 +66,7 @@ pub use crate::propagation::{
     BAGGAGE, Parts, TRACEPARENT, TRACESTATE, add_links, baggage_value, context_of, current_context,
     extract, extract_opt, from_parts, inject, inject_context, is_valid, parts, set_parent,
 };
+pub use crate::tls::install_crypto_provider;
 pub use opentelemetry::Context;
 #[doc(hidden)]
 pub use tracing;

@@ -19,6 +19,14 @@ use rustls::sign::CertifiedKey;
 
 use crate::env::{FileVar, TlsFiles};
 
+/// Installs ring as the process's rustls crypto provider, as NATS uses, for
+/// the clients built without a default one (reqwest, Redis over TLS, the
+/// OTLP HTTP exporter). Once per process: when one is installed already,
+/// nothing changes.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// TLS material that was checked, kept as the PEM both clients take.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ExportTls {

@@ -35,8 +35,7 @@
 
 use std::collections::VecDeque;
 
-use super::intake::{SCAN_KEY_BYTES, TopAt};
-use super::nested::Key;
+use super::keys::{Key, SCAN_KEY_BYTES, TopAt};
 use crate::item::{self, Item, ItemRules};
 
 /// Where a string stands in an escape. serde_json takes the four bytes

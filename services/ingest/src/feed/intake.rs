@@ -9,7 +9,7 @@ use std::io::{self, Read, Write};
 use std::rc::Rc;
 
 use super::cut::{Cut, Cuts};
-use super::nested::Key;
+use super::keys::{Key, SCAN_KEY_BYTES, TopAt};
 
 /// What the parser shares with the reader under serde_json's buffer: how
 /// many bytes serde_json was given, the hard cap armed while one value is
@@ -128,21 +128,6 @@ impl<R: Read> Read for Intake<R> {
             }
         }
     }
-}
-
-/// Longest top-level key the scan compares (an escaped `brand_id` is 48
-/// bytes); a longer one is some other key.
-pub(super) const SCAN_KEY_BYTES: usize = 256;
-
-/// Where the scan stands in the top-level object.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(super) enum TopAt {
-    #[default]
-    Key,
-    Colon,
-    Value,
-    /// After a spooled value: nothing to watch until the next `,`.
-    Comma,
 }
 
 /// The top level of the document, byte by byte: strings, nesting, and the

@@ -13,6 +13,7 @@ use serde_json::value::RawValue;
 
 use super::cut::{CutItem, End, Slot};
 use super::intake::{Intake, ReadState, Spool, spool_error};
+use super::keys::Key;
 use super::{BUFFER_BYTES, FeedError, FeedEvent, IdSet, Stopped, duplicate, id_key};
 use crate::item::{self, Item, ItemRules, Reason, Reject, parse_item};
 
@@ -226,16 +227,6 @@ fn placed(e: &serde_json::Error, line: u64, column: u64) -> String {
 }
 
 // The nested format, walked by one serde visitor that knows its level.
-
-/// The keys the walk looks at; any other is skipped with its value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Key {
-    BrandId,
-    Places,
-    PlaceId,
-    Items,
-    Other,
-}
 
 /// Reads a key without keeping it: serde_json hands over its own copy.
 pub(super) struct KeySeed;

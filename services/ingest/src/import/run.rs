@@ -3,6 +3,7 @@
 //! and the sweeps of a good full import.
 
 use super::*;
+use crate::metrics;
 
 /// What the parser thread sends: commands are built there, off the runtime,
 /// already in their wire bytes (batched as they are, never encoded again).
@@ -110,8 +111,7 @@ impl Run<'_> {
         drop(rx); // a parser still running stops at its next send
         let parsed = parser.await.map_err(|e| ImportError::Internal(e.to_string()))?;
         self.report.bytes_in = bytes_in.load(Ordering::Relaxed);
-        metrics::counter!(names::INGEST_BYTES, "partner" => self.partner.name.clone())
-            .increment(self.report.bytes_in);
+        metrics::bytes_read(&self.partner.name, self.report.bytes_in);
         published?;
         self.finish().await?;
         if let Some(callback) = progress {
@@ -131,8 +131,7 @@ impl Run<'_> {
 
     pub(super) async fn handle(&mut self, events: Vec<Event>) -> Result<(), ImportError> {
         let items = events.iter().filter(|e| matches!(e, Event::Command(_))).count();
-        metrics::counter!(names::INGEST_ITEMS, "partner" => self.partner.name.clone())
-            .increment(items as u64);
+        metrics::items(&self.partner.name, items);
         for event in events {
             match event {
                 Event::Place(place) => {
@@ -208,7 +207,7 @@ impl Run<'_> {
         place: i64,
         rejection: Rejection,
     ) -> Result<(), ImportError> {
-        metrics::counter!(names::REJECTS, "reason" => rejection.reason.clone()).increment(1);
+        metrics::rejected(&rejection.reason);
         *self.report.rejected.entry(rejection.reason.clone()).or_default() += 1;
         self.report.rejected_total += 1;
         if self.rejects.0 != place || self.rejects.1.len() >= REJECTS_PER_BATCH {
