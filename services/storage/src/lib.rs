@@ -28,11 +28,12 @@ pub mod metrics;
 mod outbox;
 pub mod read;
 mod readiness;
+mod requests;
 pub mod store;
 mod worker;
 
 pub use app::{App, shutdown_signal};
 pub use config::Config;
 pub use metrics::Stats;
-pub use readiness::{Readiness, Refusal};
+pub use readiness::{PartitionHealth, Refusal};
 pub use store::{RedisConn, Store, StoreError};

@@ -20,7 +20,8 @@
 //! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
 //! - `GET  /healthz` (200 while the process runs), `GET /readyz` (503 until
 //!   every owned partition's consumer is bound, while draining on shutdown,
-//!   and when Redis does not answer), `GET /metrics` (Prometheus)
+//!   and when Redis does not answer), `GET /metrics` (Prometheus): the
+//!   shared probes ([`probes`]), served with the read API
 //!
 //! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
 //! get a 400 (or a `ReadReply.error`) that says what is wrong.
@@ -48,11 +49,12 @@ use shelfsync_proto::{
     DeadEntriesReply, DeadEntriesRequest, DeadEntry, PlaceKey, ReadReply, ReadRequest, Record,
     SweepsReply, SweepsRequest,
 };
-use shelfsync_service::{ApiTokens, Drain};
+use shelfsync_service::{ApiTokens, Drain, Probes, Readiness};
 use shelfsync_settings::StorageSettings;
 use shelfsync_telemetry::chain;
 use tracing::{error, warn};
 
+use crate::readiness::PartitionHealth;
 use crate::store::{Store, StoreError};
 
 /// Why a read was refused.
@@ -80,7 +82,6 @@ pub struct ReadApi {
     store: Store,
     storage: Arc<StorageSettings>,
     stats: Arc<crate::Stats>,
-    ready: Option<Arc<crate::readiness::Readiness>>,
     /// The bearer tokens of the HTTP API (`None`: open).
     tokens: Option<Arc<ApiTokens>>,
 }
@@ -118,13 +119,7 @@ impl ReadApi {
                 Some(Arc::new(ApiTokens::none("shelfsync-storage")))
             }
         };
-        Self { store, storage, stats, ready: None, tokens }
-    }
-
-    /// `/readyz` also follows the workers' readiness.
-    pub fn with_readiness(mut self, ready: Arc<crate::readiness::Readiness>) -> Self {
-        self.ready = Some(ready);
-        self
+        Self { store, storage, stats, tokens }
     }
 
     fn partitions(&self) -> u32 {
@@ -364,7 +359,8 @@ impl ReadApi {
         }
     }
 
-    /// The read API, probes and metrics, traced and measured.
+    /// The HTTP read API (`/v1/`, behind the read tokens when set): the
+    /// app merges it with the shared probes and serves both.
     pub fn router(self) -> Router {
         let api = Router::new()
             .route(
@@ -375,22 +371,17 @@ impl ReadApi {
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))
             .with_state(self.clone());
-        let router = Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
-            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
-            .with_state(self.clone())
-            .merge(shelfsync_service::protect(api, self.tokens));
-        shelfsync_telemetry::instrument(router)
+        shelfsync_service::protect(api, self.tokens)
     }
+}
 
-    /// Serves HTTP on `listener` until `stop` starts.
-    pub async fn serve_http(self, listener: tokio::net::TcpListener, stop: Drain) {
-        let app = self.router();
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stop.started()).await {
-            error!(error = %chain(&e), "HTTP server failed");
-        }
-    }
+/// Storage's `/healthz`, `/readyz` and `/metrics`: ready while `health`
+/// says so and Redis answers a `PING` (otherwise 503, empty body).
+pub(crate) fn probes(health: Arc<PartitionHealth>, store: Store) -> Probes {
+    Probes::new(move || Readiness::from_bool(health.is_ready())).check(move || {
+        let store = store.clone();
+        async move { Readiness::from_bool(store.answers().await) }
+    })
 }
 
 fn parse_place(brand: &str, place: &str) -> Result<PlaceKey, ReadError> {
@@ -399,15 +390,6 @@ fn parse_place(brand: &str, place: &str) -> Result<PlaceKey, ReadError> {
             .map_err(|_| ReadError::BadRequest(format!("{what} must be an integer, got {v:?}")))
     };
     Ok(PlaceKey::new(n("brand", brand)?, n("place", place)?))
-}
-
-async fn readyz(State(api): State<ReadApi>) -> StatusCode {
-    if api.ready.as_ref().is_some_and(|r| !r.is_ready()) {
-        return StatusCode::SERVICE_UNAVAILABLE;
-    }
-    let mut conn = api.store.conn();
-    let pong: Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
-    if pong.is_ok() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
 }
 
 async fn http_get(

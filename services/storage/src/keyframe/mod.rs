@@ -26,8 +26,9 @@
 //! places in hand, and each worker has at most one.
 //!
 //! This module: a keyframe job, its progress and the frozen place's
-//! digest; `pacing`: how fast and on which thread keyframes run; the
-//! worker's `keyframes` module freezes, publishes and marks.
+//! digest; `pacing`: how fast and on which thread keyframes run;
+//! `schedule`: the keyframer that starts them (cron schedule, requests);
+//! the worker's `keyframes` module freezes, publishes and marks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -39,8 +40,10 @@ use tokio::sync::{Mutex, oneshot};
 use tracing::info;
 
 mod pacing;
+mod schedule;
 
 pub use pacing::{KeyframeIo, KeyframeLimits, LiveLateness};
+pub(crate) use schedule::{Keyframer, schedule_keyframes};
 
 /// Records read per HSCAN step: small, because each step holds Redis, and
 /// the live commands wait behind it.

@@ -100,8 +100,8 @@ impl StoreError {
 
     /// Why the partition waits when this is backpressure (the servers', not
     /// the input's): `None` for an error the same input will hit again.
-    pub(crate) fn pressure(&self) -> Option<crate::worker::Cause> {
-        use crate::worker::Cause;
+    pub(crate) fn pressure(&self) -> Option<crate::readiness::Cause> {
+        use crate::readiness::Cause;
         match self {
             StoreError::Redis(e) if shelfsync_redis::is_out_of_room(e) => Some(Cause::RedisFull),
             StoreError::Redis(e) if shelfsync_redis::is_transient(e) => Some(Cause::Redis),
@@ -240,6 +240,11 @@ impl Store {
 
     pub fn conn(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// Whether Redis answers a `PING` (storage's readiness).
+    pub(crate) async fn answers(&self) -> bool {
+        self.query::<String>(&redis::cmd("PING")).await.is_ok()
     }
 
     /// Runs one command on the shared connection (each call its own clone

@@ -21,7 +21,7 @@ use crate::failpoint;
 use crate::known::{ReadError, Scanned};
 use crate::outbox::Relay;
 use crate::outbox::{Outbox, TraceParts};
-use crate::readiness::Refusal;
+use crate::readiness::{Cause, Refusal};
 use crate::store::{Commit, Fence, Position, StoreError, Writes};
 
 /// A non-transient failure is retried this many deliveries, then the batch
@@ -484,7 +484,7 @@ impl Worker {
                 return Ok(());
             }
             self.shared.stats.redis_wait_retried();
-            self.pressure.on(super::Cause::RedisReplicas, &HandleError::Replicas { have, want });
+            self.pressure.on(Cause::RedisReplicas, &HandleError::Replicas { have, want });
             if shutdown.is_started() {
                 return Err(HandleError::Stopping);
             }

@@ -62,7 +62,7 @@ use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::{Budget, Known};
 use crate::metrics::Stats;
 use crate::outbox::Relay;
-use crate::readiness::{Readiness, Refusal};
+use crate::readiness::{Cause, PartitionHealth, Refusal};
 use crate::store::{Store, StoreError, StreamBinding};
 
 mod commit;
@@ -72,7 +72,6 @@ mod pressure;
 mod purge;
 pub(crate) mod sweep;
 
-pub(crate) use pressure::Cause;
 use pressure::Pressure;
 
 use keyframes::{ChangedSinceFreeze, InHand, PlaceSnapshot};
@@ -96,7 +95,7 @@ pub(crate) struct Shared {
     /// Largest command message once decoded (`storage.max_message_bytes`).
     pub max_decoded: usize,
     /// Told when a worker's consumer is bound, refused or held back (readiness).
-    pub ready: Arc<Readiness>,
+    pub ready: Arc<PartitionHealth>,
     /// Places in hand and records per second of keyframes, across the replica.
     pub keyframe_limits: Arc<KeyframeLimits>,
     /// What the owners remember, bounded over the replica (`crate::known`):
