@@ -12,9 +12,11 @@
 //! for the place until an operator releases it or a newer sweep of the place
 //! supersedes it.
 
-use shelfsync_proto::{Change, ChangeKind, Origin, RecordKey, Sweep, SweepOutcome};
+use std::collections::HashMap;
 
-use super::{GenEntry, Key, Slot, bump, change};
+use shelfsync_proto::{Change, ChangeKind, Origin, PlaceKey, RecordKey, Sweep, SweepOutcome};
+
+use super::{GenEntry, Key, Limits, Outcome, Slot, Slots, SweptPlace, bump, change};
 
 /// [`SweepOutcome::status`] values.
 pub mod status {
@@ -166,6 +168,82 @@ pub fn outcome(
         decided_at,
         command_seq: 0,
     }
+}
+
+/// A sweep of a whole place at once: census, decision, marks. Storage
+/// applies sweeps in bounded steps instead (`crate::worker::sweep`), through the same
+/// decision and marking; this one is the reference the tests hold it to.
+pub(super) fn apply_sweep(
+    sweep: &Sweep,
+    slots: &mut Slots,
+    swept: &HashMap<PlaceKey, SweptPlace>,
+    limits: &Limits,
+    out: &mut Outcome,
+) {
+    let place = sweep.place();
+    let stored = swept.get(&place);
+    // What the import carried: in earlier batches, and in this one.
+    let this_batch = out.touched.iter().filter(|t| t.of() == (place, sweep.generation));
+    let mut carried = stored.and_then(|s| s.touched.get(&sweep.generation).cloned());
+    for t in this_batch {
+        carried.get_or_insert_default().insert(t.product_id.clone());
+    }
+    let column: HashMap<&str, GenEntry> = stored
+        .map(|s| s.column.iter().map(|(p, e)| (p.as_str(), *e)).collect())
+        .unwrap_or_default();
+    // Records written earlier in this batch may not be in the stored column.
+    let mut products: Vec<String> = column.keys().map(|p| p.to_string()).collect();
+    products.extend(
+        slots
+            .keys()
+            .filter(|(b, p, _)| PlaceKey::new(*b, *p) == place)
+            .map(|(_, _, id)| id.clone()),
+    );
+    products.sort();
+    products.dedup();
+    // A slot touched earlier in this batch is newer than the column.
+    let entry = |slots: &Slots, k: &Key| match slots.get(k) {
+        Some(slot) => slot.record.is_some().then(|| slot.gen_entry()),
+        None => column.get(k.2.as_str()).copied(),
+    };
+    let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
+    let mut census = Census::default();
+    for id in &products {
+        if let Some(e) = entry(slots, &(place.brand_id, place.place_id, id.clone())) {
+            census.count(&e, sweep.generation, spared(id));
+        }
+    }
+    let decision = decide(sweep, census, carried.is_some(), stored.and_then(|s| s.held.as_ref()));
+    let mut marked = 0;
+    if decision == Decision::Apply {
+        for id in products.into_iter().filter(|id| !spared(id)) {
+            let k = (place.brand_id, place.place_id, id);
+            // The store loads every candidate; a missing one is skipped, not guessed.
+            let Some(slot) = slots.get_mut(&k) else { continue };
+            if let Some(c) = mark_absent(sweep, &k, slot, limits.now_us) {
+                marked += 1;
+                out.changes.push(c);
+            }
+        }
+    }
+    out.sweeps.push(outcome(sweep, decision, census, marked, limits.now_us));
+}
+
+/// Sweep candidates of a place: products whose stored generation is below
+/// the sweep's, that are neither absent nor deleted, and that the import did
+/// not carry (`touched`).
+pub fn sweep_candidates(
+    sweep: &Sweep,
+    column: &[(String, GenEntry)],
+    touched: Option<&std::collections::HashSet<String>>,
+) -> Vec<String> {
+    column
+        .iter()
+        .filter(|(p, e)| {
+            is_candidate(e, sweep.generation) && !touched.is_some_and(|t| t.contains(p))
+        })
+        .map(|(p, _)| p.clone())
+        .collect()
 }
 
 #[cfg(test)]
