@@ -58,9 +58,11 @@ use crate::apply::touched_set::Appends;
 use crate::apply::{GenEntry, Slot, Slots};
 use shelfsync_proto::{OutboxEntry, SweepOutcome};
 
+mod binding;
 mod commit;
 mod frozen;
 mod keys;
+mod ops;
 mod outbox;
 mod reads;
 mod sweeps;
@@ -226,8 +228,8 @@ impl Store {
         Ok(Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
-            commit_script: commit::commit_script(),
-            bind_script: commit::bind_script(),
+            commit_script: ops::commit_script(),
+            bind_script: binding::bind_script(),
             adopt_script: outbox::adopt_script(),
             peeked: Arc::default(),
             read_with_write: Arc::default(),

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashSet};
 use prost::Message;
 use shelfsync_proto::SweepOutcome;
 
-use super::commit::CommitOps;
+use super::ops::CommitOps;
 use super::{Column, Commit, Fence, Store, StoreError, gen_entry_of};
 use crate::apply::{GenEntry, Key, touched_set};
 

@@ -20,7 +20,7 @@ use shelfsync_bus::Partition;
 use shelfsync_proto::PlaceKey;
 use shelfsync_proto::Record;
 
-use super::commit::CommitOps;
+use super::ops::CommitOps;
 use super::{Column, Commit, Fence, Keys, Store, StoreError, stored_bytes};
 use crate::apply::GenEntry;
 
