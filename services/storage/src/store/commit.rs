@@ -104,10 +104,8 @@ impl Store {
         }
         touched_ops(&keys, &mut ops, writes.touched);
         sweep_ops(&keys, &mut ops, writes.sweeps);
-        let mut conn = self.conn.clone();
         if writes.outbox.is_empty() {
-            let reply = ops.invoke(&self.commit_script, &mut conn).await?;
-            return self.committed(partition, reply, &[], Vec::new());
+            return self.commit_ops(partition, &ops).await;
         }
         // The entries are staged in the same MULTI, outside the script (see
         // `COMMIT_LUA`). Should Redis not have the script (a restart), the
@@ -115,6 +113,7 @@ impl Store {
         // is loaded and the MULTI sent again, which empties the stage first.
         ops.staged(writes.outbox.len());
         let stage = keys.outbox_stage();
+        let mut conn = self.conn.clone();
         let mut pipe = redis::pipe();
         pipe.atomic();
         pipe.cmd("DEL").arg(&stage).ignore();
@@ -132,6 +131,18 @@ impl Store {
         let reply = replies.pop().unwrap_or(Value::Nil);
         let staged = replies.into_iter().map(redis::from_redis_value).collect::<Result<_, _>>()?;
         self.committed(partition, reply, writes.outbox, staged)
+    }
+
+    /// Runs the write list `ops` alone (no outbox entries) as one fenced
+    /// step: the commit's, the purges', the layout upgrade's.
+    pub(super) async fn commit_ops(
+        &self,
+        partition: Partition,
+        ops: &CommitOps,
+    ) -> Result<Commit, StoreError> {
+        let mut conn = self.conn.clone();
+        let reply = ops.invoke(&self.commit_script, &mut conn).await?;
+        self.committed(partition, reply, &[], Vec::new())
     }
 
     /// What a commit's reply (`COMMIT_LUA`'s) says: fenced, or done; when

@@ -203,6 +203,16 @@ pub enum Commit {
     Fenced,
 }
 
+impl Commit {
+    /// `Some(value)` once written, `None` when fenced.
+    pub(crate) fn done<T>(self, value: T) -> Option<T> {
+        match self {
+            Commit::Done => Some(value),
+            Commit::Fenced => None,
+        }
+    }
+}
+
 /// Values of an `HMGET`, in the order asked (`None`: no such field).
 type Column = Vec<Option<Vec<u8>>>;
 
