@@ -139,13 +139,19 @@ fn by_place<T: Message>(
 /// (flagged `before_omitted`); the `after` is what consumers apply. With
 /// the change's encoded length.
 fn fit_change(c: Change, max_bytes: usize) -> (Change, usize) {
-    let len = c.encoded_len();
+    fit(c, max_bytes, reduce_change)
+}
+
+/// `m` with its encoded length; reduced by `reduce` first when it does not
+/// fit in one message of `max_bytes` (with room for the envelope).
+fn fit<M: Message>(m: M, max_bytes: usize, reduce: impl FnOnce(M) -> M) -> (M, usize) {
+    let len = m.encoded_len();
     if len + 64 <= max_bytes {
-        return (c, len);
+        return (m, len);
     }
-    let c = reduce_change(c);
-    let len = c.encoded_len();
-    (c, len)
+    let m = reduce(m);
+    let len = m.encoded_len();
+    (m, len)
 }
 
 fn reduce_change(mut c: Change) -> Change {
@@ -161,13 +167,7 @@ fn reduce_change(mut c: Change) -> Change {
 /// origin but not its data and state, and at most 1 KiB of raw input and
 /// of detail (a rejection is a report, not a copy of the input).
 fn fit_rejection(r: Rejection, max_bytes: usize) -> (Rejection, usize) {
-    let len = r.encoded_len();
-    if len + 64 <= max_bytes {
-        return (r, len);
-    }
-    let r = reduce_rejection(r);
-    let len = r.encoded_len();
-    (r, len)
+    fit(r, max_bytes, reduce_rejection)
 }
 
 fn reduce_rejection(mut r: Rejection) -> Rejection {
