@@ -10,7 +10,7 @@
 use shelfsync_proto::Rejection;
 use tracing::error;
 
-use super::commit::Delivery;
+use super::message::Delivery;
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
 use crate::store::{Commit, Fence, Position, Writes};

@@ -38,11 +38,13 @@
 
 //!
 //! The worker's parts: this module (the worker, its constructor and its run
-//! loop: binding the consumer, pulling, stopping), `commit` (one delivered
-//! message applied and committed, with what was read ahead: `ahead`),
-//! `sweep` (a message with sweeps, in steps), `purge` (tombstones and absent
-//! records between messages), `dead_letter` (a message that cannot be
-//! applied) and `keyframes` (a place frozen, published and marked).
+//! loop: binding the consumer, pulling, stopping), `message` (one delivered
+//! message applied and committed, with what was read ahead, from the
+//! intake to the ack), `writes` (the fenced commit, the replicas' wait and
+//! the relay every path shares), `sweep` (a message with sweeps, in steps),
+//! `purge` (tombstones and absent records between messages), `dead_letter`
+//! (a message that cannot be applied), `keyframes` (a place frozen,
+//! published and marked) and `pressure` (waiting for room).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -65,12 +67,13 @@ use crate::outbox::Relay;
 use crate::readiness::{Cause, PartitionHealth, Refusal};
 use crate::store::{Store, StoreError, StreamBinding};
 
-mod commit;
 mod dead_letter;
 mod keyframes;
+mod message;
 mod pressure;
 mod purge;
 pub(crate) mod sweep;
+mod writes;
 
 use pressure::Pressure;
 
