@@ -378,12 +378,7 @@ impl Worker {
             return Err(HandleError::StepOfAnother { seq: last, step: loaded.at.step });
         }
         let applied = self.apply_parts(&todo, &mut loaded.slots, refused);
-        let rejected: Vec<crate::apply::Key> = applied
-            .rejections
-            .iter()
-            .filter_map(|r| r.key.as_ref())
-            .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
-            .collect();
+        let rejected = applied.rejected_keys();
         let (outbox, _) = self.outbox(&d.trace, d.relay).entries(
             last,
             &last.to_string(),
@@ -412,17 +407,31 @@ impl Worker {
         let commands = todo.iter().flat_map(|(_, s)| &s.rest.commands);
         self.known().committed(&loaded.slots, commands, &rejected);
         self.wait_replicas(d.shutdown).await?;
-        self.note_changed(&loaded.slots);
+        self.note_committed(&todo, parts[0].0, &loaded.slots, applied.outcomes);
+        Ok(Handled::Applied)
+    }
+
+    /// A commit of `todo` (`first`: the delivered message's sequence, the
+    /// others were read ahead) confirmed: the places frozen for keyframes
+    /// see what changed, the keyframes' pacing how late live changes are,
+    /// and the counters what was applied.
+    fn note_committed(
+        &self,
+        todo: &[(u64, &Split)],
+        first: u64,
+        slots: &Slots,
+        outcomes: Vec<(&Split, u64, Outcome)>,
+    ) {
+        self.note_changed(slots);
         self.shared
             .keyframe_limits
             .live
             .committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
-        let ahead = todo.iter().filter(|(seq, _)| *seq != parts[0].0).count();
+        let ahead = todo.iter().filter(|(seq, _)| *seq != first).count();
         self.shared.stats.committed(todo.len() as u64, ahead as u64);
-        for (split, n_changes, o) in applied.outcomes {
+        for (split, n_changes, o) in outcomes {
             self.shared.stats.applied(split, n_changes, &o);
         }
-        Ok(Handled::Applied)
     }
 
     /// Splits `parts` into what this owner can vouch for (neither decoded,
@@ -508,6 +517,17 @@ struct Applied<'s> {
     outcomes: Vec<(&'s Split, u64, Outcome)>,
     /// What full imports carried, to append to their touched sets.
     carried: Appends,
+}
+
+impl Applied<'_> {
+    /// The keys of the commands rejected (the owner learns nothing of them).
+    fn rejected_keys(&self) -> Vec<crate::apply::Key> {
+        self.rejections
+            .iter()
+            .filter_map(|r| r.key.as_ref())
+            .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
+            .collect()
+    }
 }
 
 /// A sweep refused because it did not come on its partition's sweep subject.
