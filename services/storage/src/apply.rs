@@ -11,7 +11,7 @@ use shelfsync_proto::{
 };
 
 mod command;
-pub mod sweep;
+pub(crate) mod sweep;
 mod touched;
 pub mod touched_set;
 
@@ -21,7 +21,8 @@ use command::apply_command;
 #[cfg(test)]
 pub use command::changes_nothing;
 use sweep::apply_sweep;
-pub use sweep::sweep_candidates;
+#[cfg(test)]
+use sweep::sweep_candidates;
 
 /// Identifies a record inside one brand: `(place_id, product_id)`. The brand
 /// is part of the key too; kept as the full triple to keep mistakes out.

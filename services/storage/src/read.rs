@@ -59,7 +59,7 @@ use crate::store::{Store, StoreError};
 
 /// Why a read was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error("{0}")]
     BadRequest(String),
     #[error("storage unavailable: {0}")]
@@ -78,7 +78,7 @@ impl IntoResponse for ReadError {
 
 /// The read side of storage; cheap to clone.
 #[derive(Clone)]
-pub struct ReadApi {
+pub(crate) struct ReadApi {
     store: Store,
     storage: Arc<StorageSettings>,
     stats: Arc<crate::Stats>,
@@ -89,7 +89,7 @@ pub struct ReadApi {
 /// The HTTP read API's tokens from `storage.read_tokens_file` /
 /// `read_tokens_env` (`None`: none configured). Storage checks them when it
 /// builds, so a bad file stops the start.
-pub fn read_tokens(storage: &StorageSettings) -> anyhow::Result<Option<ApiTokens>> {
+pub(crate) fn read_tokens(storage: &StorageSettings) -> anyhow::Result<Option<ApiTokens>> {
     ApiTokens::load(
         "shelfsync-storage",
         storage.read_tokens_file.as_deref(),
@@ -109,7 +109,11 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 }
 
 impl ReadApi {
-    pub fn new(store: Store, storage: Arc<StorageSettings>, stats: Arc<crate::Stats>) -> Self {
+    pub(crate) fn new(
+        store: Store,
+        storage: Arc<StorageSettings>,
+        stats: Arc<crate::Stats>,
+    ) -> Self {
         // Checked at start (`App::build`); should the file have become
         // unreadable since, nothing is served rather than everything.
         let tokens = match read_tokens(&storage) {
@@ -126,14 +130,14 @@ impl ReadApi {
         self.storage.partitions
     }
 
-    pub async fn get(&self, place: PlaceKey, id: &str) -> Result<Option<Record>, ReadError> {
+    pub(crate) async fn get(&self, place: PlaceKey, id: &str) -> Result<Option<Record>, ReadError> {
         check_product_id(id)?;
         let key = shelfsync_proto::RecordKey::new(place.brand_id, place.place_id, id);
         Ok(self.store.get(self.partitions(), &key).await?)
     }
 
     /// Records of one place in the order asked, and the ids that are missing.
-    pub async fn batch(
+    pub(crate) async fn batch(
         &self,
         place: PlaceKey,
         ids: &[String],
@@ -166,7 +170,7 @@ impl ReadApi {
     /// One page of a place's records, at most `limit`, from `cursor` (empty:
     /// the start), and the cursor of the next page (`None`: done). `after`,
     /// the old contract's product id, is refused when set.
-    pub async fn page(
+    pub(crate) async fn page(
         &self,
         place: PlaceKey,
         cursor: &str,
@@ -192,7 +196,7 @@ impl ReadApi {
 
     /// The outcomes of an import's sweeps of some places, or every sweep
     /// held now (see `SweepsRequest`).
-    pub async fn sweeps(&self, req: &SweepsRequest) -> Result<SweepsReply, ReadError> {
+    pub(crate) async fn sweeps(&self, req: &SweepsRequest) -> Result<SweepsReply, ReadError> {
         let mut reply = SweepsReply::default();
         if req.import_id.is_empty() {
             for p in 0..self.partitions() {
@@ -230,7 +234,7 @@ impl ReadApi {
     /// Outbox entries kept aside as unpublishable, the newest `limit` per
     /// partition, payloads cut at 64 KiB, the reply bounded under the
     /// server's payload limit.
-    pub async fn dead(&self, limit: usize) -> Result<DeadEntriesReply, ReadError> {
+    pub(crate) async fn dead(&self, limit: usize) -> Result<DeadEntriesReply, ReadError> {
         // Kept aside for being too large, entries may not fit in one reply:
         // payloads over this are cut (the metadata stays whole), and the
         // reply stops before the server's limit.
@@ -320,7 +324,12 @@ impl ReadApi {
     }
 
     /// Serves the NATS subjects until `stop` starts.
-    pub async fn serve_nats(self, client: async_nats::Client, subjects: Subjects, stop: Drain) {
+    pub(crate) async fn serve_nats(
+        self,
+        client: async_nats::Client,
+        subjects: Subjects,
+        stop: Drain,
+    ) {
         let subscribe = |what: &'static str| {
             let client = client.clone();
             let subject = subjects.read(what);
@@ -361,7 +370,7 @@ impl ReadApi {
 
     /// The HTTP read API (`/v1/`, behind the read tokens when set): the
     /// app merges it with the shared probes and serves both.
-    pub fn router(self) -> Router {
+    pub(crate) fn router(self) -> Router {
         let api = Router::new()
             .route(
                 "/v1/stats",

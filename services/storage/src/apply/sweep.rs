@@ -19,42 +19,42 @@ use shelfsync_proto::{Change, ChangeKind, Origin, PlaceKey, RecordKey, Sweep, Sw
 use super::{GenEntry, Key, Limits, Outcome, Slot, Slots, SweptPlace, bump, change};
 
 /// [`SweepOutcome::status`] values.
-pub mod status {
-    pub const APPLIED: &str = "applied";
-    pub const HELD: &str = "held";
-    pub const REFUSED: &str = "refused";
+pub(crate) mod status {
+    pub(crate) const APPLIED: &str = "applied";
+    pub(crate) const HELD: &str = "held";
+    pub(crate) const REFUSED: &str = "refused";
 }
 
 /// [`SweepOutcome::reason`] values.
-pub mod why {
-    pub const NO_ITEM_ACCEPTED: &str = "no_item_accepted";
-    pub const MISSING_FROM_DUMP: &str = "missing_from_dump";
-    pub const OVER_FRACTION: &str = "over_fraction";
-    pub const NOT_HELD: &str = "not_held";
+pub(crate) mod why {
+    pub(crate) const NO_ITEM_ACCEPTED: &str = "no_item_accepted";
+    pub(crate) const MISSING_FROM_DUMP: &str = "missing_from_dump";
+    pub(crate) const OVER_FRACTION: &str = "over_fraction";
+    pub(crate) const NOT_HELD: &str = "not_held";
     /// The import had items of the place accepted, but storage keeps no set
     /// of what it carried (expired, or every item was rejected by storage):
     /// it cannot tell what the import left out.
-    pub const NOTHING_CARRIED: &str = "nothing_carried";
+    pub(crate) const NOTHING_CARRIED: &str = "nothing_carried";
 }
 
 /// A record with this generation entry is one the sweep marks absent.
-pub fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
+pub(crate) fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
     !e.absent && !e.deleted && e.generation < sweep_generation
 }
 
 /// What a place holds, as far as a sweep's decision goes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Census {
+pub(crate) struct Census {
     /// Present and not deleted records.
-    pub live: u64,
+    pub(crate) live: u64,
     /// Of those, the ones below the sweep's generation that its import did
     /// not carry.
-    pub candidates: u64,
+    pub(crate) candidates: u64,
 }
 
 impl Census {
     /// Counts one stored record (`carried`: the sweep's import carried it).
-    pub fn count(&mut self, e: &GenEntry, sweep_generation: i64, carried: bool) {
+    pub(crate) fn count(&mut self, e: &GenEntry, sweep_generation: i64, carried: bool) {
         if !e.absent && !e.deleted {
             self.live += 1;
         }
@@ -66,7 +66,7 @@ impl Census {
 
 /// What to do with a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     Apply,
     /// Kept for the place, nothing marked; the reason is one of [`why`].
     Hold(&'static str),
@@ -78,7 +78,7 @@ pub enum Decision {
 /// Decides a sweep from what the place holds, whether storage kept a set of
 /// what its import carried (`carried`), and the sweep held for the place (if
 /// any).
-pub fn decide(
+pub(crate) fn decide(
     sweep: &Sweep,
     census: Census,
     carried: bool,
@@ -114,7 +114,12 @@ pub fn decide(
 /// Marks the record of `slot` absent if the sweep may (it is live and below
 /// the sweep's generation), and returns the change. The slot is left dirty
 /// for the commit.
-pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Option<Change> {
+pub(crate) fn mark_absent(
+    sweep: &Sweep,
+    key: &Key,
+    slot: &mut Slot,
+    now_us: i64,
+) -> Option<Change> {
     if slot.record.is_none() || !is_candidate(&slot.gen_entry(), sweep.generation) {
         return None;
     }
@@ -146,7 +151,7 @@ pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Op
 }
 
 /// The outcome to keep for a decided sweep.
-pub fn outcome(
+pub(crate) fn outcome(
     sweep: &Sweep,
     decision: Decision,
     census: Census,
@@ -231,8 +236,9 @@ pub(super) fn apply_sweep(
 
 /// Sweep candidates of a place: products whose stored generation is below
 /// the sweep's, that are neither absent nor deleted, and that the import did
-/// not carry (`touched`).
-pub fn sweep_candidates(
+/// not carry (`touched`): the reference the stepped sweep is held to.
+#[cfg(test)]
+pub(crate) fn sweep_candidates(
     sweep: &Sweep,
     column: &[(String, GenEntry)],
     touched: Option<&std::collections::HashSet<String>>,

@@ -33,13 +33,13 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed, xxh3_128_with_seed};
 use crate::apply::touched_set::Appends;
 use crate::apply::{FastMap, Key, Slots};
 
-pub mod live;
-pub mod scan;
+pub(crate) mod live;
+pub(crate) mod scan;
 mod wire;
 
-pub use live::LivePlaces;
+pub(crate) use live::LivePlaces;
 use scan::CommandView;
-pub use scan::{ReadError, Scanned};
+pub(crate) use scan::{ReadError, Scanned};
 
 /// Hashes of no-op PATCHes kept per record (say, a price feed and a stock
 /// feed of the same record).
@@ -72,17 +72,17 @@ impl Entry {
 
 /// The commands of one message split by [`Known::split`].
 #[derive(Debug, Default)]
-pub struct Split {
+pub(crate) struct Split {
     /// The commands that go through Redis, in order, decoded (with the
     /// message's partition, sweeps and origin).
-    pub rest: CommandBatch,
+    pub(crate) rest: CommandBatch,
     /// Commands vouched for: they change nothing.
-    pub skipped: u64,
+    pub(crate) skipped: u64,
     /// What the skipped commands of full imports carried.
-    pub carried: Appends,
+    pub(crate) carried: Appends,
     /// When the skipped commands that have an origin of their own were
     /// published (the others have their batch's).
-    pub skipped_published: Vec<i64>,
+    pub(crate) skipped_published: Vec<i64>,
 }
 
 /// A bound on what every partition of a replica keeps together
@@ -90,13 +90,13 @@ pub struct Split {
 /// given back as they are forgotten, so the replica's memory for them is
 /// bounded however many partitions it owns.
 #[derive(Debug, Clone)]
-pub struct Budget {
+pub(crate) struct Budget {
     used: Arc<AtomicUsize>,
     limit: usize,
 }
 
 impl Budget {
-    pub fn new(limit: usize) -> Self {
+    pub(crate) fn new(limit: usize) -> Self {
         Self { used: Arc::default(), limit }
     }
 
@@ -116,7 +116,7 @@ impl Budget {
     }
 
     /// Records kept now, over every partition sharing the budget.
-    pub fn used(&self) -> usize {
+    pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
 }
@@ -124,12 +124,12 @@ impl Budget {
 /// The records a partition's owner can vouch for. Bounded: once the
 /// replica's budget is used up, new ones are not added.
 #[derive(Debug)]
-pub struct Known {
+pub(crate) struct Known {
     entries: FastMap<u128, Entry>,
     budget: Budget,
     /// The live records of the places whose census it has seen, kept by the
     /// same rules.
-    pub live: LivePlaces,
+    pub(crate) live: LivePlaces,
     /// Scratch of [`Known::split`], kept for its capacity.
     skippable: FastMap<u128, bool>,
 }
@@ -155,7 +155,7 @@ fn command_key(cmd: &Command) -> Option<u128> {
 
 /// The content of a plain PATCH (what it sets and clears), or 0 for a
 /// command that is never vouched for.
-pub fn command_hash(cmd: &Command) -> u64 {
+pub(crate) fn command_hash(cmd: &Command) -> u64 {
     if cmd.kind != CommandKind::Patch as i32 || cmd.expected_updated_at.is_some() {
         return 0;
     }
@@ -192,7 +192,7 @@ fn content_hash(data: &[u8], state: &[u8], clear_data: &[u32], clear_state: &[u3
 impl Known {
     /// A partition's, its no-op PATCHes taken from `entries` and its live
     /// places from `live` (each shared by every partition of the replica).
-    pub fn new(entries: Budget, live: Budget) -> Self {
+    pub(crate) fn new(entries: Budget, live: Budget) -> Self {
         Self {
             entries: FastMap::default(),
             budget: entries,
@@ -203,7 +203,7 @@ impl Known {
 
     /// Forgets everything (a failed or fenced commit, a new binding, a
     /// Redis that went back in time).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.budget.give(self.entries.len());
         self.entries.clear();
         self.live.clear();
@@ -213,7 +213,10 @@ impl Known {
     /// commit) into those that must go through Redis, decoded, and those
     /// vouched for, which are neither decoded nor loaded (what the skipped
     /// commands of full imports carried is kept with each split).
-    pub fn split(&mut self, messages: &[&Scanned]) -> Result<Vec<Split>, prost::DecodeError> {
+    pub(crate) fn split(
+        &mut self,
+        messages: &[&Scanned],
+    ) -> Result<Vec<Split>, prost::DecodeError> {
         let whole = |m: &Scanned| Ok(Split { rest: m.decode_all()?, ..Split::default() });
         if self.entries.is_empty() {
             return messages.iter().map(|m| whole(m)).collect();
@@ -288,7 +291,7 @@ impl Known {
     /// wrote it and would leave it as written (tried under `limits`, the
     /// commit's); `rejected`: keys with a rejected command, learned nothing
     /// from.
-    pub fn committed<'a>(
+    pub(crate) fn committed<'a>(
         &mut self,
         slots: &Slots,
         applied: impl IntoIterator<Item = &'a Command>,
@@ -332,7 +335,7 @@ impl Known {
     /// Forgets the records a commit wrote and notes the generations it
     /// wrote. Every successful commit that writes records comes here (once),
     /// so the live places are kept here too.
-    pub fn forget_written(&mut self, slots: &Slots) {
+    pub(crate) fn forget_written(&mut self, slots: &Slots) {
         self.live.written(slots);
         for ((b, p, id), slot) in slots {
             let k = key_hash(*b, *p, id);

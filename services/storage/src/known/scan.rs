@@ -23,9 +23,9 @@ use super::wire::{LEN, VARINT, Wire};
 
 /// A command message, read.
 #[derive(Debug, Clone)]
-pub struct Scanned {
+pub(crate) struct Scanned {
     /// Partition, sweeps and origin; no commands.
-    pub header: CommandBatch,
+    pub(crate) header: CommandBatch,
     commands: Commands,
 }
 
@@ -39,7 +39,7 @@ enum Commands {
 
 /// Where one command is in its message, and what a vouch needs of it.
 #[derive(Debug, Clone)]
-pub struct At {
+pub(crate) struct At {
     /// The `Command` message.
     range: Range<usize>,
     key: Option<KeyAt>,
@@ -62,48 +62,48 @@ struct KeyAt {
 }
 
 /// One command of a [`Scanned`] message, as [`super::Known`] looks at it.
-pub struct CommandView<'a> {
-    pub at: &'a At,
+pub(crate) struct CommandView<'a> {
+    pub(crate) at: &'a At,
     bytes: &'a [u8],
 }
 
 impl CommandView<'_> {
     /// Brand and place, and the product id (`None`: the command has no key).
-    pub fn key(&self) -> Option<(PlaceKey, &str)> {
+    pub(crate) fn key(&self) -> Option<(PlaceKey, &str)> {
         let k = self.at.key.as_ref()?;
         // Checked to be UTF-8 by the walk.
         let id = std::str::from_utf8(&self.bytes[k.id.clone()]).ok()?;
         Some((k.place, id))
     }
 
-    pub fn plain_patch(&self) -> bool {
+    pub(crate) fn plain_patch(&self) -> bool {
         self.at.plain_patch
     }
 
-    pub fn data(&self) -> &[u8] {
+    pub(crate) fn data(&self) -> &[u8] {
         &self.bytes[self.at.data.clone()]
     }
 
-    pub fn state(&self) -> &[u8] {
+    pub(crate) fn state(&self) -> &[u8] {
         &self.bytes[self.at.state.clone()]
     }
 
-    pub fn clears(&self) -> (&[u32], &[u32]) {
+    pub(crate) fn clears(&self) -> (&[u32], &[u32]) {
         self.at.clears.as_deref().map_or((&[], &[]), |(d, s)| (&d[..], &s[..]))
     }
 
-    pub fn generation(&self) -> i64 {
+    pub(crate) fn generation(&self) -> i64 {
         self.at.generation
     }
 
-    pub fn published_at(&self) -> Option<i64> {
+    pub(crate) fn published_at(&self) -> Option<i64> {
         self.at.published_at
     }
 }
 
 /// Why a command message is not read.
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error(transparent)]
     Decode(#[from] prost::DecodeError),
     /// Over the contract (at most [`MAX_ITEMS`] commands, and as many
@@ -116,14 +116,14 @@ pub enum ReadError {
 
 /// Commands (and sweeps) one command message may carry: the contract's
 /// batch size, and what one commit is sized for.
-pub const MAX_ITEMS: usize = 1000;
+pub(crate) const MAX_ITEMS: usize = 1000;
 
 impl Scanned {
     /// Reads a message's plain protobuf: walked when it walks exactly,
     /// decoded whole by prost otherwise (the error is prost's). Its
     /// commands and sweeps are counted first, without allocating, and a
     /// message with more than [`MAX_ITEMS`] of either is refused.
-    pub fn read(bytes: Bytes) -> Result<Scanned, ReadError> {
+    pub(crate) fn read(bytes: Bytes) -> Result<Scanned, ReadError> {
         match count(&bytes) {
             Some((commands, sweeps)) if commands > MAX_ITEMS || sweeps > MAX_ITEMS => {
                 return Err(ReadError::TooMany { commands, sweeps });
@@ -147,12 +147,12 @@ impl Scanned {
     }
 
     /// A message already decoded (tests, and what did not walk).
-    pub fn from_batch(mut batch: CommandBatch) -> Scanned {
+    pub(crate) fn from_batch(mut batch: CommandBatch) -> Scanned {
         let commands = Commands::Decoded(std::mem::take(&mut batch.commands));
         Scanned { header: batch, commands }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match &self.commands {
             Commands::Located { at, .. } => at.len(),
             Commands::Decoded(c) => c.len(),
@@ -161,7 +161,7 @@ impl Scanned {
 
     /// The located commands, in order (`None`: decoded up front, so
     /// nothing is vouched for in this message).
-    pub fn views(&self) -> Option<impl Iterator<Item = CommandView<'_>>> {
+    pub(crate) fn views(&self) -> Option<impl Iterator<Item = CommandView<'_>>> {
         match &self.commands {
             Commands::Located { bytes, at } => {
                 Some(at.iter().map(move |at| CommandView { at, bytes: &bytes[..] }))
@@ -171,12 +171,12 @@ impl Scanned {
     }
 
     /// The whole message, every command decoded.
-    pub fn decode_all(&self) -> Result<CommandBatch, prost::DecodeError> {
+    pub(crate) fn decode_all(&self) -> Result<CommandBatch, prost::DecodeError> {
         self.decode_some(|_| true)
     }
 
     /// The message with the commands `keep` says yes to (by index), decoded.
-    pub fn decode_some(
+    pub(crate) fn decode_some(
         &self,
         mut keep: impl FnMut(usize) -> bool,
     ) -> Result<CommandBatch, prost::DecodeError> {

@@ -28,18 +28,18 @@ pub(crate) type TraceParts = shelfsync_telemetry::Parts;
 
 /// Where the entries of one commit go and how they are named.
 pub(crate) struct Outbox<'a> {
-    pub partition: Partition,
-    pub subjects: &'a Subjects,
+    pub(crate) partition: Partition,
+    pub(crate) subjects: &'a Subjects,
     /// Largest payload to publish (server max payload minus headroom).
-    pub max_bytes: usize,
+    pub(crate) max_bytes: usize,
     /// Sequences of the CHANGES and REJECTS streams at or below where the
     /// entries will land (see `OutboxEntry.stream_floor`).
-    pub floors: (u64, u64),
-    pub trace: &'a TraceParts,
+    pub(crate) floors: (u64, u64),
+    pub(crate) trace: &'a TraceParts,
     /// Names the command stream the sequences count in ([`epoch_of`]): the
     /// same sequence in a stream created again makes other ids, so that
     /// JetStream's dedup never takes a real change for a copy.
-    pub epoch: String,
+    pub(crate) epoch: String,
 }
 
 /// A short name of a command stream's identity, in the ids of the outbox
@@ -53,7 +53,7 @@ impl Outbox<'_> {
     /// `seq`. `id` names them (`chg:<partition>:<id>:<part>`, `rej:…`), the
     /// same on every replay; parts are numbered from `first_part`, and the
     /// next free part is returned with the entries.
-    pub fn entries(
+    pub(crate) fn entries(
         &self,
         seq: u64,
         id: &str,
