@@ -203,7 +203,7 @@ impl Target {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         if matches!(self.kind, TargetKind::Storage { .. }) {
-            let store = shelfsync_storage::Store::connect(&self.settings.redis).await?;
+            let store = shelfsync_storage::client::Store::connect(&self.settings.redis).await?;
             for p in 0..self.settings.storage.partitions {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 while store.outbox_len(shelfsync_bus::Partition(p)).await? > 0 {

@@ -28,8 +28,8 @@ use shelfsync_bus::intake::{Intake, Up};
 use shelfsync_bus::{Partition, Publisher, Subjects, command_bytes_limit};
 use shelfsync_proto::{Change, ChangeBatch, ChangeKind, Command, CommandBatch, Record, msg_type};
 use shelfsync_settings::Settings;
-use shelfsync_storage::RedisConn;
-use shelfsync_storage::store::Keys;
+use shelfsync_storage::client::Keys;
+use shelfsync_storage::client::RedisConn;
 
 /// Which reference loop a child runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,7 +224,7 @@ async fn floor_batch(ctx: &Ctx, partition: Partition, payload: &[u8]) -> anyhow:
         }
         // What the import carried, as storage keeps it: one APPEND per place.
         for (generation, ids) in carried {
-            let blob = shelfsync_storage::apply::touched_set::encode(ids);
+            let blob = shelfsync_storage::client::touched_set::encode(ids);
             write.cmd("APPEND").arg(keys.touched((*b, *p).into(), generation)).arg(blob).ignore();
             writes += 1;
         }

@@ -133,7 +133,7 @@ pub async fn run(
 async fn key_memory(world: &World, storage: &Target) -> anyhow::Result<Vec<(String, f64)>> {
     let s = &storage.settings;
     let partition = shelfsync_bus::partition_of(crate::world::BRAND, 1, s.storage.partitions);
-    let keys = shelfsync_storage::store::Keys::new(&s.redis.namespace, partition);
+    let keys = shelfsync_storage::client::Keys::new(&s.redis.namespace, partition);
     let mut conn =
         redis::Client::open(s.redis.url.as_str())?.get_multiplexed_async_connection().await?;
     let per_place = f64::from(world.profile.items_per_place);

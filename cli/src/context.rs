@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use shelfsync_bus::Subjects;
 use shelfsync_settings::{Settings, TelemetrySettings};
-use shelfsync_storage::Store;
+use shelfsync_storage::client::Store;
 
 use crate::CliError;
 

@@ -1031,7 +1031,7 @@ async fn outbox_dead_letters_are_shown_and_redriven() -> anyhow::Result<()> {
         msg_type: msg_type::CHANGE_BATCH.into(),
         ..Default::default()
     };
-    let store = shelfsync_storage::Store::connect(&settings(&env).redis).await?;
+    let store = shelfsync_storage::client::Store::connect(&settings(&env).redis).await?;
     store.outbox_bury(shelfsync_bus::Partition(1), &entry).await?;
 
     let listed = json_lines(&ok(&env, &["dead-letters", "--json"]).await?)?;

@@ -16,7 +16,7 @@ use shelfsync_proto::{
     Rejection, RejectionBatch, Sweep, msg_type,
 };
 use shelfsync_settings::Settings;
-use shelfsync_storage::Store;
+use shelfsync_storage::client::Store;
 
 use crate::model::{RecordId, id_of};
 use crate::{SETTLE, eventually};

@@ -28,14 +28,14 @@ pub(crate) fn id_of(key: &RecordKey) -> RecordId {
 }
 
 /// Storage applied serially, in memory, with its own pure core
-/// (`shelfsync_storage::apply::apply_batch`): the state and the transitions
+/// (`shelfsync_storage::pure::apply_batch`): the state and the transitions
 /// that one fault-free worker applying the batches in publish order yields.
 /// The fault tests hold the distributed machinery (crashes, redeliveries,
 /// restarts) to it.
 #[derive(Default)]
 pub struct SerialModel {
     partitions: u32,
-    slots: shelfsync_storage::apply::Slots,
+    slots: shelfsync_storage::pure::Slots,
     /// Per record, every observable version a change announced, in order.
     pub transitions: HashMap<RecordId, Vec<Observed>>,
     /// Changes emitted in all.
@@ -47,7 +47,7 @@ pub struct SerialModel {
     /// Every sweep's outcome, in order.
     pub sweeps: Vec<shelfsync_proto::SweepOutcome>,
     /// Per place and generation, what that full import carried so far.
-    touched: shelfsync_storage::apply::TouchedSets,
+    touched: shelfsync_storage::pure::TouchedSets,
     clock: i64,
 }
 
@@ -59,7 +59,7 @@ impl SerialModel {
     /// Applies one command message, as the worker owning its partition would.
     pub fn apply(&mut self, batch: &CommandBatch) {
         self.clock += 1_000;
-        let limits = shelfsync_storage::apply::Limits {
+        let limits = shelfsync_storage::pure::Limits {
             partition: batch.partition,
             partitions: self.partitions,
             max_record_bytes: shelfsync_settings::StorageSettings::default().max_record_bytes,
@@ -67,17 +67,17 @@ impl SerialModel {
         };
         // Every record the model knows is in `slots`, so the sweep finds its
         // candidates there and needs no separate generation column.
-        let swept: HashMap<PlaceKey, shelfsync_storage::apply::SweptPlace> = batch
+        let swept: HashMap<PlaceKey, shelfsync_storage::pure::SweptPlace> = batch
             .sweeps
             .iter()
             .map(|s| {
                 let place = s.place();
                 let held = self.held.get(&place).cloned();
                 let touched = self.touched.of_place(place);
-                (place, shelfsync_storage::apply::SweptPlace { column: Vec::new(), held, touched })
+                (place, shelfsync_storage::pure::SweptPlace { column: Vec::new(), held, touched })
             })
             .collect();
-        let out = shelfsync_storage::apply::apply_batch(batch, &mut self.slots, &swept, &limits);
+        let out = shelfsync_storage::pure::apply_batch(batch, &mut self.slots, &swept, &limits);
         self.touched.commit(&out.touched, &out.sweeps);
         for o in &out.sweeps {
             let Some(s) = &o.sweep else { continue };

@@ -3,8 +3,8 @@
 
 use shelfsync_bus::Partition;
 use shelfsync_proto::{OutboxEntry, msg_type};
-use shelfsync_storage::Store;
-use shelfsync_storage::store::{Commit, Fence, Position, Writes};
+use shelfsync_storage::client::Store;
+use shelfsync_storage::client::{Commit, Fence, Position, Writes};
 
 /// `n` entries of an outbox, as a commit to sequence `seq` writes them
 /// (message ids `chg:0:{seq}:{part}`).

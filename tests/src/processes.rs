@@ -73,7 +73,7 @@ pub struct InProcessStorage {
     running: Option<Running>,
     pub stats: std::sync::Arc<shelfsync_storage::Stats>,
     /// What its `/readyz` answers from (refused, held back, draining).
-    pub ready: std::sync::Arc<shelfsync_storage::Readiness>,
+    pub ready: std::sync::Arc<shelfsync_storage::PartitionHealth>,
 }
 
 impl InProcessStorage {

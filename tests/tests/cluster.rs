@@ -25,8 +25,8 @@ use shelfsync_proto::{
     ChangeKind, Command, CommandBatch, CommandKind, Origin, Record, RecordKey, msg_type,
 };
 use shelfsync_settings::Settings;
-use shelfsync_storage::Store;
-use shelfsync_storage::store::{Commit, Keys};
+use shelfsync_storage::client::Store;
+use shelfsync_storage::client::{Commit, Keys};
 use shelfsync_testkit::{NatsCluster, NatsServer, RedisCluster, unique_name};
 use shelfsync_tests::*;
 

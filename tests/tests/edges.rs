@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use prost::Message;
 use shelfsync_proto::{Command, CommandBatch, CommandKind, RecordKey};
-use shelfsync_storage::store::{Fence, Position};
+use shelfsync_storage::client::{Fence, Position};
 use shelfsync_testkit::{NatsServer, RedisServer, TestEnv, eventually};
 use shelfsync_tests::*;
 
@@ -368,7 +368,7 @@ async fn a_commit_left_by_a_dead_owner_is_relayed_only_once_the_replicas_have_it
     assert_eq!(h.store.outbox_len(p).await.expect("outbox"), 1, "committed, not relayed");
 
     // A fresh connection's WAIT would pass at once: it wrote nothing.
-    let fresh = shelfsync_storage::Store::connect(&settings.redis).await.expect("connect");
+    let fresh = shelfsync_storage::client::Store::connect(&settings.redis).await.expect("connect");
     let have = fresh.wait_replicas(p, 1, Duration::from_millis(200)).await.expect("wait");
     assert_eq!(have, 0, "a stopped replica does not have every write");
 

@@ -634,7 +634,7 @@ async fn a_partition_in_the_old_redis_layout_is_upgraded_when_storage_binds_it()
 
     let layout: Option<String> =
         redis::cmd("GET").arg(keys.layout()).query_async(&mut conn).await.unwrap();
-    assert_eq!(layout.as_deref(), Some(shelfsync_storage::store::LAYOUT));
+    assert_eq!(layout.as_deref(), Some(shelfsync_storage::client::LAYOUT));
     for old in [keys.legacy_gens((BRAND, 1).into()), keys.legacy_ids((BRAND, 1).into())] {
         let exists: bool = redis::cmd("EXISTS").arg(&old).query_async(&mut conn).await.unwrap();
         assert!(!exists, "{old} is gone");
@@ -693,10 +693,10 @@ fn settings_partitions(h: &Harness) -> u32 {
 #[tokio::test]
 async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
     use shelfsync_bus::Partition;
-    use shelfsync_storage::store::Commit;
+    use shelfsync_storage::client::Commit;
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
-    let store = shelfsync_storage::Store::connect(&settings.redis).await.expect("store");
+    let store = shelfsync_storage::client::Store::connect(&settings.redis).await.expect("store");
     const P: Partition = Partition(0);
     let commit = |from: u64, to: u64, n: u32| commit_outbox(&store, P, from, to, n);
     let ids = |entries: Vec<shelfsync_proto::OutboxEntry>| -> Vec<String> {
@@ -744,10 +744,10 @@ async fn the_outbox_keeps_commit_order_and_a_fenced_commit_adds_nothing() {
 #[tokio::test]
 async fn a_stale_trim_never_drops_a_later_commit_s_entries() {
     use shelfsync_bus::Partition;
-    use shelfsync_storage::store::Commit;
+    use shelfsync_storage::client::Commit;
     let env = TestEnv::start().await.expect("servers");
     let settings = settings_for(&env);
-    let connect = || shelfsync_storage::Store::connect(&settings.redis);
+    let connect = || shelfsync_storage::client::Store::connect(&settings.redis);
     let (stale, owner) = (connect().await.expect("store"), connect().await.expect("store"));
     const P: Partition = Partition(0);
     let commit = |store, from: u64, to: u64| commit_outbox(store, P, from, to, 2);

@@ -28,7 +28,7 @@ fn armed() -> Option<&'static Armed> {
 /// Points: `before_commit`, `after_commit`, `after_outbox_publish` (published,
 /// outbox not trimmed), `after_publish` (before the ack), `after_ack`,
 /// `after_sweep_step` (a step of a message applied in steps committed).
-pub fn hit(name: &str) {
+pub(crate) fn hit(name: &str) {
     if reached(name) {
         eprintln!("failpoint {name} reached: aborting");
         std::process::abort();
@@ -39,7 +39,7 @@ pub fn hit(name: &str) {
 /// point is reached (`lose_relay_ack`: the relay's acks are taken as lost,
 /// after a pause of `SHELFSYNC_FAILPOINT_PAUSE_MS`, default 2000, so that
 /// the retry comes after a short dedup window).
-pub fn triggered(name: &str) -> bool {
+pub(crate) fn triggered(name: &str) -> bool {
     if !reached(name) {
         return false;
     }

@@ -5,15 +5,19 @@
 //! function here, which updates both views, so the two cannot disagree and
 //! nothing is counted twice at its call site.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
-use shelfsync_bus::Partition;
+use shelfsync_bus::{Partition, Subjects};
 use shelfsync_proto::{CommandBatch, OutboxEntry, Rejection, msg_type};
+use shelfsync_service::Drain;
 use shelfsync_telemetry::names;
 
 use crate::apply::{Outcome, reason};
+use crate::known::Budget;
+use crate::store::Store;
 
 #[derive(Debug, Default)]
 pub struct Stats {
@@ -344,6 +348,68 @@ pub(crate) fn consumer_lag(consumer: String, lag: u64) {
 
 pub(crate) fn outbox_depth(depth: u64) {
     gauge!(names::OUTBOX_DEPTH).set(depth as f64);
+}
+
+/// How often the consumer lag and outbox depth gauges are sampled.
+const GAUGE_EVERY: Duration = Duration::from_secs(5);
+
+/// What the gauges of the owned partitions are sampled from: their
+/// consumers, their outboxes and what is kept.
+pub(crate) struct GaugeSampler {
+    pub js: async_nats::jetstream::Context,
+    pub store: Store,
+    pub subjects: Subjects,
+    pub owned: Vec<u32>,
+    /// The budgets of the known records (no-ops, live).
+    pub known: (Budget, Budget),
+    pub stats: Arc<Stats>,
+    pub replica: u32,
+    /// This process's id, in its consumers' names.
+    pub instance: String,
+}
+
+impl GaugeSampler {
+    /// Samples `shelfsync_consumer_lag{consumer}` (messages the partition
+    /// consumers have not received yet), `shelfsync_outbox_depth` and the
+    /// size of what is kept (`shelfsync_known_records`, `shelfsync_kept`)
+    /// every few seconds until `stop` starts.
+    pub(crate) async fn run(self, stop: Drain) {
+        let mut tick = tokio::time::interval(GAUGE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.started() => return,
+            }
+            self.sample().await;
+        }
+    }
+
+    async fn sample(&self) {
+        let GaugeSampler { js, store, subjects, owned, known: (noops, live), stats, .. } = self;
+        if let Ok(stream) = js.get_stream(subjects.cmd_stream()).await {
+            for &p in owned {
+                let consumer = subjects.storage_consumer_of(Partition(p), self.replica);
+                let name = format!("{consumer}-{}", self.instance);
+                if let Ok(info) = stream.consumer_info(&name).await {
+                    let lag = info.num_pending + info.num_ack_pending as u64;
+                    consumer_lag(name, lag);
+                }
+            }
+        }
+        let (mut depth, mut swept, mut touched) = (0u64, 0u64, 0u64);
+        for &p in owned {
+            depth += store.outbox_len(Partition(p)).await.unwrap_or(0);
+            if let Ok((s, t)) = store.kept(Partition(p)).await {
+                (swept, touched) = (swept + s, touched + t);
+            }
+        }
+        outbox_depth(depth);
+        known_records(noops.used(), live.used());
+        kept("sweep_outcomes", swept);
+        kept("touched_sets", touched);
+        kept("keyframe_places_queued", Stats::get(&stats.keyframe_places_queued));
+    }
 }
 
 /// Rejected commands, by reason (compare-and-swap conflicts also apart).

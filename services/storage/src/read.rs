@@ -20,7 +20,8 @@
 //! - `GET  /v1/stats` → this process's counters (commands, changes, ...)
 //! - `GET  /healthz` (200 while the process runs), `GET /readyz` (503 until
 //!   every owned partition's consumer is bound, while draining on shutdown,
-//!   and when Redis does not answer), `GET /metrics` (Prometheus)
+//!   and when Redis does not answer), `GET /metrics` (Prometheus): the
+//!   shared probes ([`probes`]), served with the read API
 //!
 //! Page sizes and batches are bounded by `storage.read_max_batch`; bad keys
 //! get a 400 (or a `ReadReply.error`) that says what is wrong.
@@ -48,16 +49,17 @@ use shelfsync_proto::{
     DeadEntriesReply, DeadEntriesRequest, DeadEntry, PlaceKey, ReadReply, ReadRequest, Record,
     SweepsReply, SweepsRequest,
 };
-use shelfsync_service::{ApiTokens, Drain};
+use shelfsync_service::{ApiTokens, Drain, Probes, Readiness};
 use shelfsync_settings::StorageSettings;
 use shelfsync_telemetry::chain;
 use tracing::{error, warn};
 
+use crate::readiness::PartitionHealth;
 use crate::store::{Store, StoreError};
 
 /// Why a read was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error("{0}")]
     BadRequest(String),
     #[error("storage unavailable: {0}")]
@@ -76,11 +78,10 @@ impl IntoResponse for ReadError {
 
 /// The read side of storage; cheap to clone.
 #[derive(Clone)]
-pub struct ReadApi {
+pub(crate) struct ReadApi {
     store: Store,
     storage: Arc<StorageSettings>,
     stats: Arc<crate::Stats>,
-    ready: Option<Arc<crate::readiness::Readiness>>,
     /// The bearer tokens of the HTTP API (`None`: open).
     tokens: Option<Arc<ApiTokens>>,
 }
@@ -88,7 +89,7 @@ pub struct ReadApi {
 /// The HTTP read API's tokens from `storage.read_tokens_file` /
 /// `read_tokens_env` (`None`: none configured). Storage checks them when it
 /// builds, so a bad file stops the start.
-pub fn read_tokens(storage: &StorageSettings) -> anyhow::Result<Option<ApiTokens>> {
+pub(crate) fn read_tokens(storage: &StorageSettings) -> anyhow::Result<Option<ApiTokens>> {
     ApiTokens::load(
         "shelfsync-storage",
         storage.read_tokens_file.as_deref(),
@@ -108,7 +109,11 @@ fn check_product_id(id: &str) -> Result<(), ReadError> {
 }
 
 impl ReadApi {
-    pub fn new(store: Store, storage: Arc<StorageSettings>, stats: Arc<crate::Stats>) -> Self {
+    pub(crate) fn new(
+        store: Store,
+        storage: Arc<StorageSettings>,
+        stats: Arc<crate::Stats>,
+    ) -> Self {
         // Checked at start (`App::build`); should the file have become
         // unreadable since, nothing is served rather than everything.
         let tokens = match read_tokens(&storage) {
@@ -118,27 +123,21 @@ impl ReadApi {
                 Some(Arc::new(ApiTokens::none("shelfsync-storage")))
             }
         };
-        Self { store, storage, stats, ready: None, tokens }
-    }
-
-    /// `/readyz` also follows the workers' readiness.
-    pub fn with_readiness(mut self, ready: Arc<crate::readiness::Readiness>) -> Self {
-        self.ready = Some(ready);
-        self
+        Self { store, storage, stats, tokens }
     }
 
     fn partitions(&self) -> u32 {
         self.storage.partitions
     }
 
-    pub async fn get(&self, place: PlaceKey, id: &str) -> Result<Option<Record>, ReadError> {
+    pub(crate) async fn get(&self, place: PlaceKey, id: &str) -> Result<Option<Record>, ReadError> {
         check_product_id(id)?;
         let key = shelfsync_proto::RecordKey::new(place.brand_id, place.place_id, id);
         Ok(self.store.get(self.partitions(), &key).await?)
     }
 
     /// Records of one place in the order asked, and the ids that are missing.
-    pub async fn batch(
+    pub(crate) async fn batch(
         &self,
         place: PlaceKey,
         ids: &[String],
@@ -171,7 +170,7 @@ impl ReadApi {
     /// One page of a place's records, at most `limit`, from `cursor` (empty:
     /// the start), and the cursor of the next page (`None`: done). `after`,
     /// the old contract's product id, is refused when set.
-    pub async fn page(
+    pub(crate) async fn page(
         &self,
         place: PlaceKey,
         cursor: &str,
@@ -197,7 +196,7 @@ impl ReadApi {
 
     /// The outcomes of an import's sweeps of some places, or every sweep
     /// held now (see `SweepsRequest`).
-    pub async fn sweeps(&self, req: &SweepsRequest) -> Result<SweepsReply, ReadError> {
+    pub(crate) async fn sweeps(&self, req: &SweepsRequest) -> Result<SweepsReply, ReadError> {
         let mut reply = SweepsReply::default();
         if req.import_id.is_empty() {
             for p in 0..self.partitions() {
@@ -235,7 +234,7 @@ impl ReadApi {
     /// Outbox entries kept aside as unpublishable, the newest `limit` per
     /// partition, payloads cut at 64 KiB, the reply bounded under the
     /// server's payload limit.
-    pub async fn dead(&self, limit: usize) -> Result<DeadEntriesReply, ReadError> {
+    pub(crate) async fn dead(&self, limit: usize) -> Result<DeadEntriesReply, ReadError> {
         // Kept aside for being too large, entries may not fit in one reply:
         // payloads over this are cut (the metadata stays whole), and the
         // reply stops before the server's limit.
@@ -325,7 +324,12 @@ impl ReadApi {
     }
 
     /// Serves the NATS subjects until `stop` starts.
-    pub async fn serve_nats(self, client: async_nats::Client, subjects: Subjects, stop: Drain) {
+    pub(crate) async fn serve_nats(
+        self,
+        client: async_nats::Client,
+        subjects: Subjects,
+        stop: Drain,
+    ) {
         let subscribe = |what: &'static str| {
             let client = client.clone();
             let subject = subjects.read(what);
@@ -364,8 +368,9 @@ impl ReadApi {
         }
     }
 
-    /// The read API, probes and metrics, traced and measured.
-    pub fn router(self) -> Router {
+    /// The HTTP read API (`/v1/`, behind the read tokens when set): the
+    /// app merges it with the shared probes and serves both.
+    pub(crate) fn router(self) -> Router {
         let api = Router::new()
             .route(
                 "/v1/stats",
@@ -375,22 +380,17 @@ impl ReadApi {
             .route("/v1/records/{brand}/{place}", post(http_batch))
             .route("/v1/places/{brand}/{place}/records", get(http_page))
             .with_state(self.clone());
-        let router = Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
-            .route("/metrics", get(|| async { shelfsync_telemetry::render_metrics() }))
-            .with_state(self.clone())
-            .merge(shelfsync_service::protect(api, self.tokens));
-        shelfsync_telemetry::instrument(router)
+        shelfsync_service::protect(api, self.tokens)
     }
+}
 
-    /// Serves HTTP on `listener` until `stop` starts.
-    pub async fn serve_http(self, listener: tokio::net::TcpListener, stop: Drain) {
-        let app = self.router();
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stop.started()).await {
-            error!(error = %chain(&e), "HTTP server failed");
-        }
-    }
+/// Storage's `/healthz`, `/readyz` and `/metrics`: ready while `health`
+/// says so and Redis answers a `PING` (otherwise 503, empty body).
+pub(crate) fn probes(health: Arc<PartitionHealth>, store: Store) -> Probes {
+    Probes::new(move || Readiness::from_bool(health.is_ready())).check(move || {
+        let store = store.clone();
+        async move { Readiness::from_bool(store.answers().await) }
+    })
 }
 
 fn parse_place(brand: &str, place: &str) -> Result<PlaceKey, ReadError> {
@@ -399,15 +399,6 @@ fn parse_place(brand: &str, place: &str) -> Result<PlaceKey, ReadError> {
             .map_err(|_| ReadError::BadRequest(format!("{what} must be an integer, got {v:?}")))
     };
     Ok(PlaceKey::new(n("brand", brand)?, n("place", place)?))
-}
-
-async fn readyz(State(api): State<ReadApi>) -> StatusCode {
-    if api.ready.as_ref().is_some_and(|r| !r.is_ready()) {
-        return StatusCode::SERVICE_UNAVAILABLE;
-    }
-    let mut conn = api.store.conn();
-    let pong: Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
-    if pong.is_ok() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
 }
 
 async fn http_get(

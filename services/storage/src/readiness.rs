@@ -1,5 +1,7 @@
-//! Storage's readiness (`/readyz`): every owned partition bound, none
-//! refused, none held back by backpressure, not draining.
+//! What storage's readiness follows (`/readyz`, the shared probes that
+//! `read::probes` builds): every owned partition bound, none refused, none
+//! held back by backpressure, not draining; and why a partition is refused
+//! or held back.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -16,10 +18,41 @@ pub enum Refusal {
     StepGone { step: String },
 }
 
-/// Ready once every owned partition's consumer is bound, until shutdown
-/// starts (`/readyz`); not ready while a partition is refused or held back.
+/// Why a partition waits for room (the backpressure metric's `cause` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// Redis refuses writes for want of room: `OOM`, `MISCONF` (a full
+    /// disk), `NOREPLICAS`.
+    RedisFull,
+    /// Redis away, restarting, failing over, or refusing for another
+    /// reason that is not the input's.
+    Redis,
+    /// Redis replicas did not confirm a commit in time (`redis.wait_replicas`).
+    RedisReplicas,
+    /// JetStream answered and refused a publish (a stream or account out of
+    /// room, a stream misconfigured).
+    NatsRefused,
+    /// NATS away or not answering.
+    Nats,
+}
+
+impl Cause {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Cause::RedisFull => "redis_full",
+            Cause::Redis => "redis",
+            Cause::RedisReplicas => "redis_replicas",
+            Cause::NatsRefused => "nats_refused",
+            Cause::Nats => "nats",
+        }
+    }
+}
+
+/// The state of this replica's partitions that its readiness follows: ready
+/// once every owned partition's consumer is bound, until shutdown starts;
+/// not ready while a partition is refused or held back.
 #[derive(Debug, Default)]
-pub struct Readiness {
+pub struct PartitionHealth {
     want: AtomicUsize,
     bound: AtomicUsize,
     draining: AtomicBool,
@@ -28,7 +61,7 @@ pub struct Readiness {
     held_back: std::sync::Mutex<BTreeMap<u32, &'static str>>,
 }
 
-impl Readiness {
+impl PartitionHealth {
     /// `workers` partition workers will report as bound.
     pub fn expect(&self, workers: usize) {
         self.want.store(workers, Ordering::SeqCst);
@@ -83,7 +116,7 @@ mod tests {
 
     #[test]
     fn ready_once_every_worker_is_bound_and_not_while_draining() {
-        let r = Readiness::default();
+        let r = PartitionHealth::default();
         r.expect(2);
         assert!(!r.is_ready());
         r.worker_bound();
@@ -96,7 +129,7 @@ mod tests {
 
     #[test]
     fn not_ready_while_a_partition_is_refused_or_held_back() {
-        let r = Readiness::default();
+        let r = PartitionHealth::default();
         r.expect(0);
         r.refuse(1, Refusal::StepGone { step: "7|1|0|0|0|0|0|0".into() });
         assert!(!r.is_ready());

@@ -2,6 +2,8 @@
 //! `/healthz` (the process runs), `/readyz` (it does its work: the service
 //! says when) and `/metrics` (every metric of the process, Prometheus text).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use axum::Router;
@@ -31,6 +33,8 @@ impl Readiness {
 }
 
 type ReadyFn = dyn Fn() -> Readiness + Send + Sync;
+type CheckFuture = Pin<Box<dyn Future<Output = Readiness> + Send>>;
+type CheckFn = dyn Fn() -> CheckFuture + Send + Sync;
 type RefreshFn = dyn Fn() + Send + Sync;
 
 /// The probes of one service instance: its readiness, and optionally the
@@ -38,13 +42,25 @@ type RefreshFn = dyn Fn() + Send + Sync;
 #[derive(Clone)]
 pub struct Probes {
     ready: Arc<ReadyFn>,
+    check: Option<Arc<CheckFn>>,
     refresh: Option<Arc<RefreshFn>>,
 }
 
 impl Probes {
     /// Probes whose `/readyz` asks `ready` at every request.
     pub fn new(ready: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
-        Probes { ready: Arc::new(ready), refresh: None }
+        Probes { ready: Arc::new(ready), check: None, refresh: None }
+    }
+
+    /// `/readyz` also asks `check` when `ready` says ready: for what only
+    /// an I/O round trip can tell (a server that must answer). Its answer
+    /// is then the probe's.
+    pub fn check<F>(mut self, check: impl Fn() -> F + Send + Sync + 'static) -> Self
+    where
+        F: Future<Output = Readiness> + Send + 'static,
+    {
+        self.check = Some(Arc::new(move || Box::pin(check()) as CheckFuture));
+        self
     }
 
     /// Before each `/metrics` render, `refresh` sets the gauges this
@@ -61,10 +77,22 @@ impl Probes {
     where
         S: Clone + Send + Sync + 'static,
     {
-        let Probes { ready, refresh } = self;
+        let Probes { ready, check, refresh } = self;
         Router::new()
             .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(move || std::future::ready(ready().response())))
+            .route(
+                "/readyz",
+                get(move || {
+                    let answer = ready();
+                    let check = check.clone();
+                    async move {
+                        match (answer, check) {
+                            (Readiness::Ready(_), Some(check)) => check().await.response(),
+                            _ => answer.response(),
+                        }
+                    }
+                }),
+            )
             .route(
                 "/metrics",
                 get(move || {
@@ -130,5 +158,35 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert!(text.contains("process_cpu_seconds_total"), "{text}");
         assert_eq!(scrapes.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn readyz_asks_the_async_check_only_when_ready() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let checks = Arc::new(AtomicU64::new(0));
+        let answers = Arc::new(AtomicBool::new(false));
+        let probes = Probes::new({
+            let ready = ready.clone();
+            move || Readiness::from_bool(ready.load(Ordering::SeqCst))
+        })
+        .check({
+            let (checks, answers) = (checks.clone(), answers.clone());
+            move || {
+                checks.fetch_add(1, Ordering::SeqCst);
+                let answers = answers.load(Ordering::SeqCst);
+                async move {
+                    if answers { Readiness::Ready("") } else { Readiness::NotReady("no answer") }
+                }
+            }
+        });
+        let app: Router = probes.router();
+        let unavailable = |body: &str| (StatusCode::SERVICE_UNAVAILABLE, body.to_string());
+        assert_eq!(get_text(&app, "/readyz").await, unavailable(""));
+        assert_eq!(checks.load(Ordering::SeqCst), 0, "not asked while not ready");
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(get_text(&app, "/readyz").await, unavailable("no answer"));
+        answers.store(true, Ordering::SeqCst);
+        assert_eq!(get_text(&app, "/readyz").await, (StatusCode::OK, String::new()));
+        assert_eq!(checks.load(Ordering::SeqCst), 2);
     }
 }

@@ -12,47 +12,49 @@
 //! for the place until an operator releases it or a newer sweep of the place
 //! supersedes it.
 
-use shelfsync_proto::{Change, ChangeKind, Origin, RecordKey, Sweep, SweepOutcome};
+use std::collections::HashMap;
 
-use super::{GenEntry, Key, Slot, bump, change};
+use shelfsync_proto::{Change, ChangeKind, Origin, PlaceKey, RecordKey, Sweep, SweepOutcome};
+
+use super::{GenEntry, Key, Limits, Outcome, Slot, Slots, SweptPlace, bump, change};
 
 /// [`SweepOutcome::status`] values.
-pub mod status {
-    pub const APPLIED: &str = "applied";
-    pub const HELD: &str = "held";
-    pub const REFUSED: &str = "refused";
+pub(crate) mod status {
+    pub(crate) const APPLIED: &str = "applied";
+    pub(crate) const HELD: &str = "held";
+    pub(crate) const REFUSED: &str = "refused";
 }
 
 /// [`SweepOutcome::reason`] values.
-pub mod why {
-    pub const NO_ITEM_ACCEPTED: &str = "no_item_accepted";
-    pub const MISSING_FROM_DUMP: &str = "missing_from_dump";
-    pub const OVER_FRACTION: &str = "over_fraction";
-    pub const NOT_HELD: &str = "not_held";
+pub(crate) mod why {
+    pub(crate) const NO_ITEM_ACCEPTED: &str = "no_item_accepted";
+    pub(crate) const MISSING_FROM_DUMP: &str = "missing_from_dump";
+    pub(crate) const OVER_FRACTION: &str = "over_fraction";
+    pub(crate) const NOT_HELD: &str = "not_held";
     /// The import had items of the place accepted, but storage keeps no set
     /// of what it carried (expired, or every item was rejected by storage):
     /// it cannot tell what the import left out.
-    pub const NOTHING_CARRIED: &str = "nothing_carried";
+    pub(crate) const NOTHING_CARRIED: &str = "nothing_carried";
 }
 
 /// A record with this generation entry is one the sweep marks absent.
-pub fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
+pub(crate) fn is_candidate(e: &GenEntry, sweep_generation: i64) -> bool {
     !e.absent && !e.deleted && e.generation < sweep_generation
 }
 
 /// What a place holds, as far as a sweep's decision goes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Census {
+pub(crate) struct Census {
     /// Present and not deleted records.
-    pub live: u64,
+    pub(crate) live: u64,
     /// Of those, the ones below the sweep's generation that its import did
     /// not carry.
-    pub candidates: u64,
+    pub(crate) candidates: u64,
 }
 
 impl Census {
     /// Counts one stored record (`carried`: the sweep's import carried it).
-    pub fn count(&mut self, e: &GenEntry, sweep_generation: i64, carried: bool) {
+    pub(crate) fn count(&mut self, e: &GenEntry, sweep_generation: i64, carried: bool) {
         if !e.absent && !e.deleted {
             self.live += 1;
         }
@@ -64,7 +66,7 @@ impl Census {
 
 /// What to do with a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     Apply,
     /// Kept for the place, nothing marked; the reason is one of [`why`].
     Hold(&'static str),
@@ -76,7 +78,7 @@ pub enum Decision {
 /// Decides a sweep from what the place holds, whether storage kept a set of
 /// what its import carried (`carried`), and the sweep held for the place (if
 /// any).
-pub fn decide(
+pub(crate) fn decide(
     sweep: &Sweep,
     census: Census,
     carried: bool,
@@ -112,7 +114,12 @@ pub fn decide(
 /// Marks the record of `slot` absent if the sweep may (it is live and below
 /// the sweep's generation), and returns the change. The slot is left dirty
 /// for the commit.
-pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Option<Change> {
+pub(crate) fn mark_absent(
+    sweep: &Sweep,
+    key: &Key,
+    slot: &mut Slot,
+    now_us: i64,
+) -> Option<Change> {
     if slot.record.is_none() || !is_candidate(&slot.gen_entry(), sweep.generation) {
         return None;
     }
@@ -144,7 +151,7 @@ pub fn mark_absent(sweep: &Sweep, key: &Key, slot: &mut Slot, now_us: i64) -> Op
 }
 
 /// The outcome to keep for a decided sweep.
-pub fn outcome(
+pub(crate) fn outcome(
     sweep: &Sweep,
     decision: Decision,
     census: Census,
@@ -166,6 +173,83 @@ pub fn outcome(
         decided_at,
         command_seq: 0,
     }
+}
+
+/// A sweep of a whole place at once: census, decision, marks. Storage
+/// applies sweeps in bounded steps instead (`crate::worker::sweep`), through the same
+/// decision and marking; this one is the reference the tests hold it to.
+pub(super) fn apply_sweep(
+    sweep: &Sweep,
+    slots: &mut Slots,
+    swept: &HashMap<PlaceKey, SweptPlace>,
+    limits: &Limits,
+    out: &mut Outcome,
+) {
+    let place = sweep.place();
+    let stored = swept.get(&place);
+    // What the import carried: in earlier batches, and in this one.
+    let this_batch = out.touched.iter().filter(|t| t.of() == (place, sweep.generation));
+    let mut carried = stored.and_then(|s| s.touched.get(&sweep.generation).cloned());
+    for t in this_batch {
+        carried.get_or_insert_default().insert(t.product_id.clone());
+    }
+    let column: HashMap<&str, GenEntry> = stored
+        .map(|s| s.column.iter().map(|(p, e)| (p.as_str(), *e)).collect())
+        .unwrap_or_default();
+    // Records written earlier in this batch may not be in the stored column.
+    let mut products: Vec<String> = column.keys().map(|p| p.to_string()).collect();
+    products.extend(
+        slots
+            .keys()
+            .filter(|(b, p, _)| PlaceKey::new(*b, *p) == place)
+            .map(|(_, _, id)| id.clone()),
+    );
+    products.sort();
+    products.dedup();
+    // A slot touched earlier in this batch is newer than the column.
+    let entry = |slots: &Slots, k: &Key| match slots.get(k) {
+        Some(slot) => slot.record.is_some().then(|| slot.gen_entry()),
+        None => column.get(k.2.as_str()).copied(),
+    };
+    let spared = |id: &str| carried.as_ref().is_some_and(|c| c.contains(id));
+    let mut census = Census::default();
+    for id in &products {
+        if let Some(e) = entry(slots, &(place.brand_id, place.place_id, id.clone())) {
+            census.count(&e, sweep.generation, spared(id));
+        }
+    }
+    let decision = decide(sweep, census, carried.is_some(), stored.and_then(|s| s.held.as_ref()));
+    let mut marked = 0;
+    if decision == Decision::Apply {
+        for id in products.into_iter().filter(|id| !spared(id)) {
+            let k = (place.brand_id, place.place_id, id);
+            // The store loads every candidate; a missing one is skipped, not guessed.
+            let Some(slot) = slots.get_mut(&k) else { continue };
+            if let Some(c) = mark_absent(sweep, &k, slot, limits.now_us) {
+                marked += 1;
+                out.changes.push(c);
+            }
+        }
+    }
+    out.sweeps.push(outcome(sweep, decision, census, marked, limits.now_us));
+}
+
+/// Sweep candidates of a place: products whose stored generation is below
+/// the sweep's, that are neither absent nor deleted, and that the import did
+/// not carry (`touched`): the reference the stepped sweep is held to.
+#[cfg(test)]
+pub(crate) fn sweep_candidates(
+    sweep: &Sweep,
+    column: &[(String, GenEntry)],
+    touched: Option<&std::collections::HashSet<String>>,
+) -> Vec<String> {
+    column
+        .iter()
+        .filter(|(p, e)| {
+            is_candidate(e, sweep.generation) && !touched.is_some_and(|t| t.contains(p))
+        })
+        .map(|(p, _)| p.clone())
+        .collect()
 }
 
 #[cfg(test)]

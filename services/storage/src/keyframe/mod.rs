@@ -26,8 +26,9 @@
 //! places in hand, and each worker has at most one.
 //!
 //! This module: a keyframe job, its progress and the frozen place's
-//! digest; `pacing`: how fast and on which thread keyframes run; the
-//! worker's `keyframes` module freezes, publishes and marks.
+//! digest; `pacing`: how fast and on which thread keyframes run;
+//! `schedule`: the keyframer that starts them (cron schedule, requests);
+//! the worker's `keyframes` module freezes, publishes and marks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -39,8 +40,10 @@ use tokio::sync::{Mutex, oneshot};
 use tracing::info;
 
 mod pacing;
+mod schedule;
 
-pub use pacing::{KeyframeIo, KeyframeLimits, LiveLateness};
+pub(crate) use pacing::{KeyframeIo, KeyframeLimits};
+pub(crate) use schedule::{Keyframer, schedule_keyframes};
 
 /// Records read per HSCAN step: small, because each step holds Redis, and
 /// the live commands wait behind it.
@@ -51,20 +54,20 @@ pub(crate) const MARK_CHUNK: usize = 1000;
 pub(crate) const FROZEN_TTL: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
 
 /// One keyframe request as a worker sees it.
-pub struct KeyframeJob {
-    pub keyframe_id: String,
+pub(crate) struct KeyframeJob {
+    pub(crate) keyframe_id: String,
     /// CHANGES stream's last sequence when the run started.
-    pub changes_seq: u64,
+    pub(crate) changes_seq: u64,
     /// `None`: every place of the partition.
-    pub place: Option<PlaceKey>,
-    pub progress: Arc<JobProgress>,
+    pub(crate) place: Option<PlaceKey>,
+    pub(crate) progress: Arc<JobProgress>,
 }
 
 /// Shared by the workers taking part in one keyframe; the last to finish
 /// sends the reply.
-pub struct JobProgress {
-    pub keyframe_id: String,
-    pub replica: u32,
+pub(crate) struct JobProgress {
+    pub(crate) keyframe_id: String,
+    pub(crate) replica: u32,
     remaining: AtomicUsize,
     places: AtomicU32,
     records: AtomicU64,
@@ -75,7 +78,7 @@ pub struct JobProgress {
 
 impl JobProgress {
     /// `workers` jobs will report; `done` receives the reply.
-    pub fn new(
+    pub(crate) fn new(
         keyframe_id: String,
         replica: u32,
         workers: usize,
@@ -93,16 +96,16 @@ impl JobProgress {
         })
     }
 
-    pub fn place_done(&self, records: u64) {
+    pub(crate) fn place_done(&self, records: u64) {
         self.places.fetch_add(1, Ordering::SeqCst);
         self.records.fetch_add(records, Ordering::SeqCst);
     }
 
-    pub async fn place_failed(&self, error: String) {
+    pub(crate) async fn place_failed(&self, error: String) {
         self.errors.lock().await.push(error);
     }
 
-    pub async fn worker_done(&self, error: Option<String>) {
+    pub(crate) async fn worker_done(&self, error: Option<String>) {
         if let Some(e) = error {
             self.errors.lock().await.push(e);
         }
@@ -130,20 +133,20 @@ impl JobProgress {
 }
 
 /// A keyframe id shared by every replica for one schedule tick or request.
-pub fn keyframe_id_at(unix_micros: i64) -> String {
+pub(crate) fn keyframe_id_at(unix_micros: i64) -> String {
     format!("kf-{unix_micros}")
 }
 
 /// A place frozen for its keyframe: where it was frozen, and how.
 #[derive(Debug, Clone)]
 pub(crate) struct Frozen {
-    pub keyframe_id: String,
-    pub changes_seq: u64,
-    pub place: PlaceKey,
+    pub(crate) keyframe_id: String,
+    pub(crate) changes_seq: u64,
+    pub(crate) place: PlaceKey,
     /// The partition's applied command sequence at the freeze.
-    pub command_seq: u64,
-    pub as_of: i64,
-    pub tombstone_cutoff: i64,
+    pub(crate) command_seq: u64,
+    pub(crate) as_of: i64,
+    pub(crate) tombstone_cutoff: i64,
 }
 
 impl Frozen {

@@ -20,11 +20,11 @@ const YIELD_MAX_FACTOR: u32 = 2;
 /// What bounds the keyframe work of one replica, shared by its workers:
 /// places in hand at once, records published per second, and the thread
 /// that does the work.
-pub struct KeyframeLimits {
-    pub permits: Arc<Semaphore>,
+pub(crate) struct KeyframeLimits {
+    pub(crate) permits: Arc<Semaphore>,
     pace: Option<Pace>,
     /// How late the live changes are: paced keyframes give way to them.
-    pub live: LiveLateness,
+    pub(crate) live: LiveLateness,
     background: Background,
     /// The keyframes' own NATS and Redis connections, made on the keyframe
     /// thread at first use.
@@ -36,15 +36,15 @@ pub struct KeyframeLimits {
 /// carry a keyframe's megabytes: a live change published or committed does
 /// not wait behind a 250 KB part or scan step on the same socket.
 #[derive(Clone)]
-pub struct KeyframeIo {
-    pub js: async_nats::jetstream::Context,
-    pub store: crate::store::Store,
+pub(crate) struct KeyframeIo {
+    pub(crate) js: async_nats::jetstream::Context,
+    pub(crate) store: crate::store::Store,
 }
 
 impl KeyframeLimits {
     /// `concurrency` places at once; `records_per_s` = 0: unpaced; giving
     /// way to live changes later than `yield_after` (zero: never).
-    pub fn new(concurrency: usize, records_per_s: u64, yield_after: Duration) -> Arc<Self> {
+    pub(crate) fn new(concurrency: usize, records_per_s: u64, yield_after: Duration) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(concurrency)),
             pace: (records_per_s > 0).then(|| Pace::new(records_per_s)),
@@ -56,7 +56,7 @@ impl KeyframeLimits {
 
     /// The keyframes' own connections, or — when they cannot be made — the
     /// live ones given (tried again next time).
-    pub async fn io(&self, config: &crate::config::Config, live: KeyframeIo) -> KeyframeIo {
+    pub(crate) async fn io(&self, config: &crate::config::Config, live: KeyframeIo) -> KeyframeIo {
         let connected = self
             .io
             .get_or_try_init(|| async {
@@ -78,7 +78,7 @@ impl KeyframeLimits {
     }
 
     /// Runs `task` (publishing a frozen place) on the keyframe thread.
-    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    pub(crate) fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: std::future::Future + Send + 'static,
         F::Output: Send + 'static,
@@ -92,7 +92,7 @@ impl KeyframeLimits {
     /// Waits until `records` more may be published: their share of time at
     /// the keyframe rate, then, while live changes are late, up to twice
     /// that share more. Returns the time given way.
-    pub async fn pace(&self, records: usize) -> Duration {
+    pub(crate) async fn pace(&self, records: usize) -> Duration {
         let Some(p) = &self.pace else { return Duration::ZERO };
         let share = p.take(records).await;
         let most = share * YIELD_MAX_FACTOR;
@@ -113,7 +113,7 @@ impl KeyframeLimits {
 /// How late the live changes are as storage commits them. Each commit
 /// reports the oldest command it holds; one older than the threshold makes
 /// the keyframes give way for [`YIELD_HOLD`].
-pub struct LiveLateness {
+pub(crate) struct LiveLateness {
     after_us: i64,
     /// Microseconds since the epoch until which live changes count as late.
     late_until: AtomicI64,
@@ -127,7 +127,7 @@ impl LiveLateness {
     /// A commit of commands published at `oldest_published_us()` at the
     /// earliest (microseconds since the epoch; 0: unknown). Not asked when
     /// giving way is off.
-    pub fn committed(&self, oldest_published_us: impl FnOnce() -> i64) {
+    pub(crate) fn committed(&self, oldest_published_us: impl FnOnce() -> i64) {
         if self.after_us == 0 {
             return;
         }
@@ -142,7 +142,7 @@ impl LiveLateness {
     }
 
     /// Whether live changes were late a moment ago.
-    pub fn late(&self) -> bool {
+    pub(crate) fn late(&self) -> bool {
         crate::clock::now_us() < self.late_until.load(Ordering::Relaxed)
     }
 }

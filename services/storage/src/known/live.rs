@@ -36,7 +36,7 @@ use crate::apply::sweep::Census;
 use crate::apply::{FastMap, GenEntry, Slots};
 
 #[derive(Debug)]
-pub struct LivePlaces {
+pub(crate) struct LivePlaces {
     /// Per known place: its records.
     places: FastMap<PlaceKey, Place>,
     /// Records kept, over all places (taken from `budget`).
@@ -63,18 +63,18 @@ impl Place {
 type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 impl LivePlaces {
-    pub fn new(budget: Budget) -> Self {
+    pub(crate) fn new(budget: Budget) -> Self {
         Self { places: FastMap::default(), records: 0, budget }
     }
 
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.budget.give(self.records);
         self.places.clear();
         self.records = 0;
     }
 
     /// A complete census scan of `place` read these records.
-    pub fn scanned(
+    pub(crate) fn scanned(
         &mut self,
         place: PlaceKey,
         records: impl IntoIterator<Item = (u128, GenEntry)>,
@@ -96,14 +96,14 @@ impl LivePlaces {
 
     /// Whether a record is stored, if its place is known: a record of a
     /// known place that is not kept is not stored (its load can be skipped).
-    pub fn stored(&self, place: PlaceKey, id: &str) -> Option<bool> {
+    pub(crate) fn stored(&self, place: PlaceKey, id: &str) -> Option<bool> {
         let kept = self.places.get(&place)?;
         let k = key_hash(place.brand_id, place.place_id, id);
         Some(kept.live.contains_key(&k) || kept.gone.contains(&k))
     }
 
     /// A commit wrote these slots (those not dirty were not written).
-    pub fn written(&mut self, slots: &Slots) {
+    pub(crate) fn written(&mut self, slots: &Slots) {
         for ((b, p, id), slot) in slots {
             if !(slot.record_dirty || slot.gen_dirty) {
                 continue;
@@ -144,7 +144,7 @@ impl LivePlaces {
 
     /// The census of a sweep of `generation` over `place`, if the place is
     /// known; `carried`: the ids its import carried (`None`: none kept).
-    pub fn census(
+    pub(crate) fn census(
         &self,
         place: PlaceKey,
         generation: i64,

@@ -19,11 +19,13 @@ use bytes::Bytes;
 use prost::Message;
 use shelfsync_proto::{Command, CommandBatch, CommandKind, Origin, PlaceKey, Sweep};
 
+use super::wire::{LEN, VARINT, Wire};
+
 /// A command message, read.
 #[derive(Debug, Clone)]
-pub struct Scanned {
+pub(crate) struct Scanned {
     /// Partition, sweeps and origin; no commands.
-    pub header: CommandBatch,
+    pub(crate) header: CommandBatch,
     commands: Commands,
 }
 
@@ -37,7 +39,7 @@ enum Commands {
 
 /// Where one command is in its message, and what a vouch needs of it.
 #[derive(Debug, Clone)]
-pub struct At {
+pub(crate) struct At {
     /// The `Command` message.
     range: Range<usize>,
     key: Option<KeyAt>,
@@ -60,48 +62,48 @@ struct KeyAt {
 }
 
 /// One command of a [`Scanned`] message, as [`super::Known`] looks at it.
-pub struct CommandView<'a> {
-    pub at: &'a At,
+pub(crate) struct CommandView<'a> {
+    pub(crate) at: &'a At,
     bytes: &'a [u8],
 }
 
 impl CommandView<'_> {
     /// Brand and place, and the product id (`None`: the command has no key).
-    pub fn key(&self) -> Option<(PlaceKey, &str)> {
+    pub(crate) fn key(&self) -> Option<(PlaceKey, &str)> {
         let k = self.at.key.as_ref()?;
         // Checked to be UTF-8 by the walk.
         let id = std::str::from_utf8(&self.bytes[k.id.clone()]).ok()?;
         Some((k.place, id))
     }
 
-    pub fn plain_patch(&self) -> bool {
+    pub(crate) fn plain_patch(&self) -> bool {
         self.at.plain_patch
     }
 
-    pub fn data(&self) -> &[u8] {
+    pub(crate) fn data(&self) -> &[u8] {
         &self.bytes[self.at.data.clone()]
     }
 
-    pub fn state(&self) -> &[u8] {
+    pub(crate) fn state(&self) -> &[u8] {
         &self.bytes[self.at.state.clone()]
     }
 
-    pub fn clears(&self) -> (&[u32], &[u32]) {
+    pub(crate) fn clears(&self) -> (&[u32], &[u32]) {
         self.at.clears.as_deref().map_or((&[], &[]), |(d, s)| (&d[..], &s[..]))
     }
 
-    pub fn generation(&self) -> i64 {
+    pub(crate) fn generation(&self) -> i64 {
         self.at.generation
     }
 
-    pub fn published_at(&self) -> Option<i64> {
+    pub(crate) fn published_at(&self) -> Option<i64> {
         self.at.published_at
     }
 }
 
 /// Why a command message is not read.
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error(transparent)]
     Decode(#[from] prost::DecodeError),
     /// Over the contract (at most [`MAX_ITEMS`] commands, and as many
@@ -114,14 +116,14 @@ pub enum ReadError {
 
 /// Commands (and sweeps) one command message may carry: the contract's
 /// batch size, and what one commit is sized for.
-pub const MAX_ITEMS: usize = 1000;
+pub(crate) const MAX_ITEMS: usize = 1000;
 
 impl Scanned {
     /// Reads a message's plain protobuf: walked when it walks exactly,
     /// decoded whole by prost otherwise (the error is prost's). Its
     /// commands and sweeps are counted first, without allocating, and a
     /// message with more than [`MAX_ITEMS`] of either is refused.
-    pub fn read(bytes: Bytes) -> Result<Scanned, ReadError> {
+    pub(crate) fn read(bytes: Bytes) -> Result<Scanned, ReadError> {
         match count(&bytes) {
             Some((commands, sweeps)) if commands > MAX_ITEMS || sweeps > MAX_ITEMS => {
                 return Err(ReadError::TooMany { commands, sweeps });
@@ -145,12 +147,12 @@ impl Scanned {
     }
 
     /// A message already decoded (tests, and what did not walk).
-    pub fn from_batch(mut batch: CommandBatch) -> Scanned {
+    pub(crate) fn from_batch(mut batch: CommandBatch) -> Scanned {
         let commands = Commands::Decoded(std::mem::take(&mut batch.commands));
         Scanned { header: batch, commands }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match &self.commands {
             Commands::Located { at, .. } => at.len(),
             Commands::Decoded(c) => c.len(),
@@ -159,7 +161,7 @@ impl Scanned {
 
     /// The located commands, in order (`None`: decoded up front, so
     /// nothing is vouched for in this message).
-    pub fn views(&self) -> Option<impl Iterator<Item = CommandView<'_>>> {
+    pub(crate) fn views(&self) -> Option<impl Iterator<Item = CommandView<'_>>> {
         match &self.commands {
             Commands::Located { bytes, at } => {
                 Some(at.iter().map(move |at| CommandView { at, bytes: &bytes[..] }))
@@ -169,12 +171,12 @@ impl Scanned {
     }
 
     /// The whole message, every command decoded.
-    pub fn decode_all(&self) -> Result<CommandBatch, prost::DecodeError> {
+    pub(crate) fn decode_all(&self) -> Result<CommandBatch, prost::DecodeError> {
         self.decode_some(|_| true)
     }
 
     /// The message with the commands `keep` says yes to (by index), decoded.
-    pub fn decode_some(
+    pub(crate) fn decode_some(
         &self,
         mut keep: impl FnMut(usize) -> bool,
     ) -> Result<CommandBatch, prost::DecodeError> {
@@ -193,112 +195,6 @@ impl Scanned {
             }
         };
         Ok(CommandBatch { commands, ..self.header.clone() })
-    }
-}
-
-/// A protobuf cursor that gives up (`None`) on anything it does not read
-/// exactly as prost.
-struct Wire<'a> {
-    buf: &'a [u8],
-    at: usize,
-}
-
-/// Wire types read (groups and the rest are left to prost).
-const VARINT: u8 = 0;
-const FIXED64: u8 = 1;
-const LEN: u8 = 2;
-const FIXED32: u8 = 5;
-
-impl<'a> Wire<'a> {
-    fn new(buf: &'a [u8], at: usize) -> Self {
-        Wire { buf, at }
-    }
-
-    fn done(&self) -> bool {
-        self.at >= self.buf.len()
-    }
-
-    /// A varint as prost reads one: at most ten bytes, the tenth at most 1.
-    fn varint(&mut self) -> Option<u64> {
-        let mut v = 0u64;
-        for i in 0..10 {
-            let b = *self.buf.get(self.at)?;
-            self.at += 1;
-            if i == 9 && b > 1 {
-                return None;
-            }
-            v |= u64::from(b & 0x7f) << (7 * i);
-            if b & 0x80 == 0 {
-                return Some(v);
-            }
-        }
-        None
-    }
-
-    /// A field's number and wire type.
-    fn key(&mut self) -> Option<(u32, u8)> {
-        let key = self.varint()?;
-        let number = u32::try_from(key >> 3).ok().filter(|&n| n > 0)?;
-        Some((number, (key & 7) as u8))
-    }
-
-    /// The range of a length-delimited field's bytes.
-    fn len(&mut self) -> Option<Range<usize>> {
-        let n = usize::try_from(self.varint()?).ok()?;
-        let end = self.at.checked_add(n).filter(|&e| e <= self.buf.len())?;
-        let range = self.at..end;
-        self.at = end;
-        Some(range)
-    }
-
-    /// Skips a field of an unknown number.
-    fn skip(&mut self, wire: u8) -> Option<()> {
-        let n = match wire {
-            VARINT => return self.varint().map(drop),
-            FIXED64 => 8,
-            LEN => return self.len().map(drop),
-            FIXED32 => 4,
-            _ => return None,
-        };
-        self.at = self.at.checked_add(n).filter(|&e| e <= self.buf.len())?;
-        Some(())
-    }
-
-    /// Skips any field, groups (deprecated, but prost skips them) included,
-    /// nested at most as deep as prost allows.
-    fn skip_any(&mut self, number: u32, wire: u8, depth: u32) -> Option<()> {
-        const START_GROUP: u8 = 3;
-        const END_GROUP: u8 = 4;
-        if wire != START_GROUP {
-            return self.skip(wire);
-        }
-        if depth >= 100 {
-            return None;
-        }
-        loop {
-            match self.key()? {
-                (n, END_GROUP) if n == number => return Some(()),
-                (_, END_GROUP) => return None,
-                (n, w) => self.skip_any(n, w, depth + 1)?,
-            }
-        }
-    }
-
-    /// The `uint32` values of one occurrence of a repeated field, packed or
-    /// not, appended to `out`.
-    fn uint32s(&mut self, wire: u8, out: &mut Vec<u32>) -> Option<()> {
-        match wire {
-            VARINT => out.push(self.varint()? as u32),
-            LEN => {
-                let range = self.len()?;
-                let mut inner = Wire::new(&self.buf[..range.end], range.start);
-                while !inner.done() {
-                    out.push(inner.varint()? as u32);
-                }
-            }
-            _ => return None,
-        }
-        Some(())
     }
 }
 

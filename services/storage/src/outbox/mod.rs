@@ -28,18 +28,18 @@ pub(crate) type TraceParts = shelfsync_telemetry::Parts;
 
 /// Where the entries of one commit go and how they are named.
 pub(crate) struct Outbox<'a> {
-    pub partition: Partition,
-    pub subjects: &'a Subjects,
+    pub(crate) partition: Partition,
+    pub(crate) subjects: &'a Subjects,
     /// Largest payload to publish (server max payload minus headroom).
-    pub max_bytes: usize,
+    pub(crate) max_bytes: usize,
     /// Sequences of the CHANGES and REJECTS streams at or below where the
     /// entries will land (see `OutboxEntry.stream_floor`).
-    pub floors: (u64, u64),
-    pub trace: &'a TraceParts,
+    pub(crate) floors: (u64, u64),
+    pub(crate) trace: &'a TraceParts,
     /// Names the command stream the sequences count in ([`epoch_of`]): the
     /// same sequence in a stream created again makes other ids, so that
     /// JetStream's dedup never takes a real change for a copy.
-    pub epoch: String,
+    pub(crate) epoch: String,
 }
 
 /// A short name of a command stream's identity, in the ids of the outbox
@@ -53,7 +53,7 @@ impl Outbox<'_> {
     /// `seq`. `id` names them (`chg:<partition>:<id>:<part>`, `rej:…`), the
     /// same on every replay; parts are numbered from `first_part`, and the
     /// next free part is returned with the entries.
-    pub fn entries(
+    pub(crate) fn entries(
         &self,
         seq: u64,
         id: &str,
@@ -139,13 +139,19 @@ fn by_place<T: Message>(
 /// (flagged `before_omitted`); the `after` is what consumers apply. With
 /// the change's encoded length.
 fn fit_change(c: Change, max_bytes: usize) -> (Change, usize) {
-    let len = c.encoded_len();
+    fit(c, max_bytes, reduce_change)
+}
+
+/// `m` with its encoded length; reduced by `reduce` first when it does not
+/// fit in one message of `max_bytes` (with room for the envelope).
+fn fit<M: Message>(m: M, max_bytes: usize, reduce: impl FnOnce(M) -> M) -> (M, usize) {
+    let len = m.encoded_len();
     if len + 64 <= max_bytes {
-        return (c, len);
+        return (m, len);
     }
-    let c = reduce_change(c);
-    let len = c.encoded_len();
-    (c, len)
+    let m = reduce(m);
+    let len = m.encoded_len();
+    (m, len)
 }
 
 fn reduce_change(mut c: Change) -> Change {
@@ -161,13 +167,7 @@ fn reduce_change(mut c: Change) -> Change {
 /// origin but not its data and state, and at most 1 KiB of raw input and
 /// of detail (a rejection is a report, not a copy of the input).
 fn fit_rejection(r: Rejection, max_bytes: usize) -> (Rejection, usize) {
-    let len = r.encoded_len();
-    if len + 64 <= max_bytes {
-        return (r, len);
-    }
-    let r = reduce_rejection(r);
-    let len = r.encoded_len();
-    (r, len)
+    fit(r, max_bytes, reduce_rejection)
 }
 
 fn reduce_rejection(mut r: Rejection) -> Rejection {

@@ -81,7 +81,7 @@ pub(crate) struct Relay {
 impl Relay {
     /// A relay that reads back before its first publish: a previous owner
     /// of the partition may have published without trimming.
-    pub async fn start(
+    pub(crate) async fn start(
         partition: Partition,
         store: Store,
         js: jetstream::Context,
@@ -128,7 +128,7 @@ impl Relay {
 
     /// The floors new entries carry: for the CHANGES and the REJECTS stream,
     /// a sequence at or below where a message published from now on lands.
-    pub fn floors(&self) -> (u64, u64) {
+    pub(crate) fn floors(&self) -> (u64, u64) {
         let floor = |stream: String| {
             let known = self.known.get(&stream).copied().unwrap_or(0);
             known.max(self.publisher.last_sequence(&stream))
@@ -146,7 +146,7 @@ impl Relay {
 
     /// Publishes the outbox from its head and trims what is stored, until it
     /// is empty. Returns how many entries went out.
-    pub async fn relay(&mut self) -> Result<usize, RelayError> {
+    pub(crate) async fn relay(&mut self) -> Result<usize, RelayError> {
         let result = self.relay_all().await;
         if result.is_err() {
             self.uncertain = true;

@@ -58,9 +58,11 @@ use crate::apply::touched_set::Appends;
 use crate::apply::{GenEntry, Slot, Slots};
 use shelfsync_proto::{OutboxEntry, SweepOutcome};
 
+mod binding;
 mod commit;
 mod frozen;
 mod keys;
+mod ops;
 mod outbox;
 mod reads;
 mod sweeps;
@@ -100,8 +102,8 @@ impl StoreError {
 
     /// Why the partition waits when this is backpressure (the servers', not
     /// the input's): `None` for an error the same input will hit again.
-    pub(crate) fn pressure(&self) -> Option<crate::worker::Cause> {
-        use crate::worker::Cause;
+    pub(crate) fn pressure(&self) -> Option<crate::readiness::Cause> {
+        use crate::readiness::Cause;
         match self {
             StoreError::Redis(e) if shelfsync_redis::is_out_of_room(e) => Some(Cause::RedisFull),
             StoreError::Redis(e) if shelfsync_redis::is_transient(e) => Some(Cause::Redis),
@@ -201,6 +203,16 @@ pub enum Commit {
     Fenced,
 }
 
+impl Commit {
+    /// `Some(value)` once written, `None` when fenced.
+    pub(crate) fn done<T>(self, value: T) -> Option<T> {
+        match self {
+            Commit::Done => Some(value),
+            Commit::Fenced => None,
+        }
+    }
+}
+
 /// Values of an `HMGET`, in the order asked (`None`: no such field).
 type Column = Vec<Option<Vec<u8>>>;
 
@@ -226,8 +238,8 @@ impl Store {
         Ok(Store {
             conn: RedisConn::connect(cfg).await?,
             namespace: cfg.namespace.clone(),
-            commit_script: commit::commit_script(),
-            bind_script: commit::bind_script(),
+            commit_script: ops::commit_script(),
+            bind_script: binding::bind_script(),
             adopt_script: outbox::adopt_script(),
             peeked: Arc::default(),
             read_with_write: Arc::default(),
@@ -240,6 +252,11 @@ impl Store {
 
     pub fn conn(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// Whether Redis answers a `PING` (storage's readiness).
+    pub(crate) async fn answers(&self) -> bool {
+        self.query::<String>(&redis::cmd("PING")).await.is_ok()
     }
 
     /// Runs one command on the shared connection (each call its own clone

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashSet};
 use prost::Message;
 use shelfsync_proto::SweepOutcome;
 
-use super::commit::CommitOps;
-use super::{Column, Commit, Fence, Store, StoreError, gen_entry_of};
+use super::ops::CommitOps;
+use super::{Column, Fence, Store, StoreError, gen_entry_of};
 use crate::apply::{GenEntry, Key, touched_set};
 
 impl Store {
@@ -131,16 +131,7 @@ impl Store {
         }
         let members_raw = members.iter().map(|m| m.as_bytes().to_vec()).collect();
         ops.op("ZREM", &keys.tombstones(), members_raw, 1);
-        let mut conn = self.conn.clone();
-        match self.committed(
-            partition,
-            ops.invoke(&self.commit_script, &mut conn).await?,
-            &[],
-            Vec::new(),
-        )? {
-            Commit::Fenced => Ok(None),
-            Commit::Done => Ok(Some(members.len())),
-        }
+        Ok(self.commit_ops(partition, &ops).await?.done(members.len()))
     }
 
     /// Up to `limit` absent records that became absent before `cutoff_us`.

@@ -20,8 +20,8 @@ use shelfsync_bus::Partition;
 use shelfsync_proto::PlaceKey;
 use shelfsync_proto::Record;
 
-use super::commit::CommitOps;
-use super::{Column, Commit, Fence, Keys, Store, StoreError, stored_bytes};
+use super::ops::CommitOps;
+use super::{Column, Fence, Keys, Store, StoreError, stored_bytes};
 use crate::apply::GenEntry;
 
 /// The layout version this version writes, kept at `{ns:pN}:layout`.
@@ -135,15 +135,6 @@ impl Store {
         let (marker, frozen) = (keys.frozen_marker(place), keys.frozen_records(place));
         ops.kept_op(&records, &marker, &frozen, sets, 2);
         ops.op("HDEL", &gens, ids.iter().map(|id| id.to_vec()).collect(), 1);
-        let mut conn = self.conn.clone();
-        match self.committed(
-            partition,
-            ops.invoke(&self.commit_script, &mut conn).await?,
-            &[],
-            Vec::new(),
-        )? {
-            Commit::Fenced => Ok(None),
-            Commit::Done => Ok(Some(moved)),
-        }
+        Ok(self.commit_ops(partition, &ops).await?.done(moved))
     }
 }

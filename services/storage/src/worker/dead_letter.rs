@@ -7,15 +7,12 @@
 //! `CMD_HEADROOM` of the server's payload limit (`shelfsync_bus::provision`),
 //! so the rejection that carries one always fits in one message.
 
-use async_nats::jetstream;
 use shelfsync_proto::Rejection;
-use shelfsync_service::Drain;
 use tracing::error;
 
+use super::message::Delivery;
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
-use crate::outbox::Relay;
-use crate::outbox::TraceParts;
 use crate::store::{Commit, Fence, Position, Writes};
 
 /// Detail kept in a dead-letter rejection.
@@ -24,17 +21,13 @@ const MAX_DETAIL: usize = 1024;
 impl Worker {
     /// Commits a rejection carrying the message `msg` whole and advances
     /// the sequence, so a poison message is recorded once and never blocks.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn dead_letter(
         &self,
-        seq: u64,
+        d: &mut Delivery<'_>,
         why: &str,
         mut detail: String,
-        msg: &jetstream::Message,
-        trace: &TraceParts,
-        relay: &mut Relay,
-        shutdown: &Drain,
     ) -> Result<Handled, HandleError> {
+        let (seq, msg) = (d.seq, d.msg);
         if detail.len() > MAX_DETAIL {
             let mut end = MAX_DETAIL;
             while !detail.is_char_boundary(end) {
@@ -58,7 +51,7 @@ impl Worker {
             raw_encoding: encoding.unwrap_or("none").to_string(),
             ..Default::default()
         };
-        let (outbox, _) = self.outbox(trace, relay).entries(
+        let (outbox, _) = self.outbox(&d.trace, d.relay).entries(
             seq,
             &seq.to_string(),
             0,
@@ -70,7 +63,7 @@ impl Worker {
         match self.commit(&fence, &Position::at(seq), &writes).await? {
             Commit::Done => {
                 self.shared.stats.dead_lettered(why);
-                self.relay_until_done(relay, shutdown).await;
+                self.relay_until_done(d.relay, d.shutdown).await;
                 Ok(Handled::Applied)
             }
             Commit::Fenced => Err(HandleError::Fenced),

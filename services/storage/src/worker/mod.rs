@@ -38,11 +38,13 @@
 
 //!
 //! The worker's parts: this module (the worker, its constructor and its run
-//! loop: binding the consumer, pulling, stopping), `commit` (one delivered
-//! message applied and committed, with what was read ahead: `ahead`),
-//! `sweep` (a message with sweeps, in steps), `purge` (tombstones and absent
-//! records between messages), `dead_letter` (a message that cannot be
-//! applied) and `keyframes` (a place frozen, published and marked).
+//! loop: binding the consumer, pulling, stopping), `message` (one delivered
+//! message applied and committed, with what was read ahead, from the
+//! intake to the ack), `writes` (the fenced commit, the replicas' wait and
+//! the relay every path shares), `sweep` (a message with sweeps, in steps),
+//! `purge` (tombstones and absent records between messages), `dead_letter`
+//! (a message that cannot be applied), `keyframes` (a place frozen,
+//! published and marked) and `pressure` (waiting for room).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -62,17 +64,17 @@ use crate::keyframe::{KeyframeJob, KeyframeLimits};
 use crate::known::{Budget, Known};
 use crate::metrics::Stats;
 use crate::outbox::Relay;
-use crate::readiness::{Readiness, Refusal};
+use crate::readiness::{Cause, PartitionHealth, Refusal};
 use crate::store::{Store, StoreError, StreamBinding};
 
-mod commit;
 mod dead_letter;
 mod keyframes;
+mod message;
 mod pressure;
 mod purge;
 pub(crate) mod sweep;
+mod writes;
 
-pub(crate) use pressure::Cause;
 use pressure::Pressure;
 
 use keyframes::{ChangedSinceFreeze, InHand, PlaceSnapshot};
@@ -86,25 +88,25 @@ const REFUSED_POLL: Duration = Duration::from_secs(2);
 
 /// What every partition worker of a replica shares.
 pub(crate) struct Shared {
-    pub config: Arc<Config>,
-    pub subjects: Subjects,
-    pub js: jetstream::Context,
-    pub store: Store,
-    pub stats: Arc<Stats>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) subjects: Subjects,
+    pub(crate) js: jetstream::Context,
+    pub(crate) store: Store,
+    pub(crate) stats: Arc<Stats>,
     /// Largest payload to publish (server max payload minus headroom).
-    pub max_bytes: usize,
+    pub(crate) max_bytes: usize,
     /// Largest command message once decoded (`storage.max_message_bytes`).
-    pub max_decoded: usize,
+    pub(crate) max_decoded: usize,
     /// Told when a worker's consumer is bound, refused or held back (readiness).
-    pub ready: Arc<Readiness>,
+    pub(crate) ready: Arc<PartitionHealth>,
     /// Places in hand and records per second of keyframes, across the replica.
-    pub keyframe_limits: Arc<KeyframeLimits>,
+    pub(crate) keyframe_limits: Arc<KeyframeLimits>,
     /// What the owners remember, bounded over the replica (`crate::known`):
     /// no-op PATCHes, and live records of known places.
-    pub known_budgets: (Budget, Budget),
+    pub(crate) known_budgets: (Budget, Budget),
     /// Names this process's consumers apart from those of any other
     /// process, one that runs with the same settings by mistake included.
-    pub instance: String,
+    pub(crate) instance: String,
 }
 
 /// One owned partition's worker (see the module docs); built by
@@ -346,7 +348,7 @@ impl Worker {
     /// two command messages once a replica-wide permit is free, with ready
     /// messages served first; the place's parts are published by a task while
     /// the partition goes on, and the next place waits for that task.
-    pub async fn run(
+    pub(crate) async fn run(
         self: Arc<Self>,
         shutdown: Drain,
         mut jobs: mpsc::Receiver<KeyframeJob>,

@@ -15,48 +15,22 @@ use shelfsync_bus::Partition;
 use tracing::{error, info};
 
 use crate::metrics::Stats;
-use crate::readiness::Readiness;
-
-/// Why a partition waits (the metric's `cause` label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Cause {
-    /// Redis refuses writes for want of room: `OOM`, `MISCONF` (a full
-    /// disk), `NOREPLICAS`.
-    RedisFull,
-    /// Redis away, restarting, failing over, or refusing for another
-    /// reason that is not the input's.
-    Redis,
-    /// Redis replicas did not confirm a commit in time (`redis.wait_replicas`).
-    RedisReplicas,
-    /// JetStream answered and refused a publish (a stream or account out of
-    /// room, a stream misconfigured).
-    NatsRefused,
-    /// NATS away or not answering.
-    Nats,
-}
-
-impl Cause {
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Cause::RedisFull => "redis_full",
-            Cause::Redis => "redis",
-            Cause::RedisReplicas => "redis_replicas",
-            Cause::NatsRefused => "nats_refused",
-            Cause::Nats => "nats",
-        }
-    }
-}
+use crate::readiness::{Cause, PartitionHealth};
 
 /// One partition's backpressure episodes.
 pub(crate) struct Pressure {
     partition: Partition,
-    ready: Arc<Readiness>,
+    ready: Arc<PartitionHealth>,
     stats: Arc<Stats>,
     since: std::sync::Mutex<Option<(Instant, Cause)>>,
 }
 
 impl Pressure {
-    pub(crate) fn new(partition: Partition, ready: Arc<Readiness>, stats: Arc<Stats>) -> Self {
+    pub(crate) fn new(
+        partition: Partition,
+        ready: Arc<PartitionHealth>,
+        stats: Arc<Stats>,
+    ) -> Self {
         Self { partition, ready, stats, since: Default::default() }
     }
 
@@ -121,7 +95,7 @@ mod tests {
 
     #[test]
     fn an_episode_holds_the_partition_back_until_it_goes_through() {
-        let ready = Arc::new(Readiness::default());
+        let ready = Arc::new(PartitionHealth::default());
         ready.expect(0);
         let p = Pressure::new(Partition(3), ready.clone(), Arc::default());
         assert!(ready.is_ready());

@@ -183,7 +183,7 @@ impl Worker {
                         Decision::Apply => census,
                         decision => {
                             let ctx = StepCtx { fence: &mut fence, trace, relay, shutdown };
-                            self.skip_sweep(seq, s, &mut step, decision, census, last, ctx).await?;
+                            self.skip_sweep(s, &mut step, decision, census, last, ctx).await?;
                             self.shared.stats.sweep_done();
                             continue;
                         }
@@ -258,10 +258,8 @@ impl Worker {
 
     /// Records a sweep that is held or refused (nothing marked); a held one
     /// is also published as a `sweep_held` rejection on the place's subject.
-    #[allow(clippy::too_many_arguments)]
     async fn skip_sweep(
         &self,
-        seq: u64,
         s: &Sweep,
         step: &mut Step,
         decision: Decision,
@@ -270,6 +268,7 @@ impl Worker {
         ctx: StepCtx<'_>,
     ) -> Result<(), HandleError> {
         let StepCtx { fence, trace, relay, shutdown } = ctx;
+        let seq = step.seq;
         let mut outcome = sweep::outcome(s, decision, census, 0, Self::now_us());
         outcome.command_seq = seq;
         let mut rejections = Vec::new();

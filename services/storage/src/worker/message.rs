@@ -1,28 +1,29 @@
-//! One delivered command message applied and committed: decoded, joined by
-//! the messages read ahead of it, applied by the pure core, committed with
-//! its outbox in one fenced step, relayed, then acked; a failure is retried
-//! with backoff, and after enough of them dead-lettered.
+//! One delivered command message, from the intake to its ack, as one
+//! [`Delivery`]: read (decoded and walked), joined by the messages read
+//! ahead of it, split by what the owner knows, loaded, applied by the pure
+//! core, committed with its outbox in one fenced step (`writes`), relayed,
+//! then acked; a failure is retried with backoff, and after enough of them
+//! dead-lettered.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use shelfsync_bus::intake::{Intake, Pulled, Up};
-use shelfsync_proto::{PlaceKey, Rejection};
+use shelfsync_proto::{Change, PlaceKey, Rejection};
 use shelfsync_service::Drain;
 use shelfsync_telemetry::chain;
 use tracing::{Instrument, debug, error, info, warn};
 
 use super::{HandleError, Handled, Worker};
 use crate::apply::touched_set::Appends;
-use crate::apply::{Limits, Slot, apply_batch, reason};
+use crate::apply::{Limits, Outcome, Slot, Slots, apply_batch, reason};
 use crate::failpoint;
-use crate::known::{ReadError, Scanned};
+use crate::known::{ReadError, Scanned, Split};
 use crate::outbox::Relay;
 use crate::outbox::{Outbox, TraceParts};
 use crate::readiness::Refusal;
-use crate::store::{Commit, Fence, Position, StoreError, Writes};
+use crate::store::{Commit, Fence, Loaded, Position, Writes};
 
 /// A non-transient failure is retried this many deliveries, then the batch
 /// is dead-lettered so that it cannot block its partition.
@@ -31,9 +32,6 @@ const MAX_FAILED_DELIVERIES: u64 = 5;
 /// enough that a partition held back for an hour goes on within seconds of
 /// room coming back, long enough that waiting costs nothing.
 const RETRY_MAX: Duration = Duration::from_secs(5);
-/// First and longest wait between two attempts of a failed relay.
-const RELAY_RETRY: Duration = Duration::from_millis(100);
-const RELAY_RETRY_MAX: Duration = Duration::from_secs(5);
 /// Messages taken behind the first are committed with it as long as they
 /// hold this many commands and sweeps together.
 const AHEAD_COMMANDS: usize = 1000;
@@ -168,82 +166,122 @@ impl Worker {
         shutdown: &Drain,
     ) -> Result<(Handled, usize, u64), HandleError> {
         let first = group.first().expect("called with a message");
-        let (msg, seq, attempts) = (&first.msg, first.seq, first.attempts);
+        let msg = &first.msg;
         let trace = outbox_trace(msg);
-        let mut scanned = match self.read(msg.headers.as_ref(), &msg.payload) {
+        let mut d =
+            Delivery { msg, seq: first.seq, attempts: first.attempts, trace, relay, shutdown };
+        let scanned = match self.read(msg.headers.as_ref(), &msg.payload) {
             Ok(m) => m,
             Err((why, detail)) => {
-                let handled = self.dead_letter(seq, why, detail, msg, &trace, relay, shutdown);
-                return Ok((handled.await?, 1, seq));
+                return Ok((self.dead_letter(&mut d, why, detail).await?, 1, d.seq));
             }
         };
-        // Sweeps count only on the partition's sweep subject, which only
-        // ingest and the CLI may publish to: any other is refused, and the
-        // message's commands apply as usual.
-        let refused = match msg.subject.as_str() == self.shared.subjects.cmd_sweep(self.partition) {
+        let (scanned, refused) = self.refuse_foreign_sweeps(scanned, &d);
+        let result = if scanned.header.sweeps.is_empty() {
+            self.apply_with_ahead(group, scanned, refused, &mut d).await
+        } else {
+            self.apply_sweeps(scanned, &mut d).await
+        };
+        self.settle(result, &mut d).await
+    }
+
+    /// Sweeps count only on the partition's sweep subject, which only
+    /// ingest and the CLI may publish to: any other is taken out of the
+    /// message and refused (the rejections returned), and the message's
+    /// commands apply as usual.
+    fn refuse_foreign_sweeps(
+        &self,
+        mut scanned: Scanned,
+        d: &Delivery<'_>,
+    ) -> (Scanned, Vec<Rejection>) {
+        let on_sweep_subject =
+            d.msg.subject.as_str() == self.shared.subjects.cmd_sweep(self.partition);
+        let refused = match on_sweep_subject {
             true => Vec::new(),
             false => std::mem::take(&mut scanned.header.sweeps),
         };
         let refused: Vec<Rejection> = refused.iter().map(forbidden_sweep).collect();
         if !refused.is_empty() {
             warn!(
-                partition = %self.partition, seq, subject = %msg.subject, sweeps = refused.len(),
+                partition = %self.partition, seq = d.seq, subject = %d.msg.subject, sweeps = refused.len(),
                 "sweeps refused: they did not come on the partition's sweep subject"
             );
         }
+        (scanned, refused)
+    }
+
+    /// A message without sweeps, with the messages behind it that may go
+    /// with it (none when it failed before or had sweeps refused), applied,
+    /// committed and relayed.
+    async fn apply_with_ahead(
+        &self,
+        group: &[Pulled],
+        scanned: Scanned,
+        refused: Vec<Rejection>,
+        d: &mut Delivery<'_>,
+    ) -> Result<(Handled, usize, u64), HandleError> {
         let span = tracing::Span::current();
-        let result = if scanned.header.sweeps.is_empty() {
-            let mut parts = vec![(seq, scanned)];
-            // A message that failed goes alone; so does one whose sweeps
-            // were refused.
-            if attempts == 0 && refused.is_empty() {
-                self.take_behind(group, &mut parts);
-                span.record("shelfsync.read_ahead", parts.len() - 1);
+        let mut parts = vec![(d.seq, scanned)];
+        // A message that failed goes alone; so does one whose sweeps
+        // were refused.
+        if d.attempts == 0 && refused.is_empty() {
+            self.take_behind(group, &mut parts);
+            span.record("shelfsync.read_ahead", parts.len() - 1);
+        }
+        // Messages taken behind are applied with this one: a batch
+        // operation in the messaging conventions' sense.
+        if parts.len() > 1 {
+            span.record("messaging.batch.message_count", parts.len());
+        }
+        let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
+        span.record("shelfsync.command_count", commands);
+        let last = parts.last().map_or(d.seq, |(s, _)| *s);
+        match self.apply_and_commit(&parts, refused, d).await? {
+            Handled::Applied => {
+                failpoint::hit("after_commit");
+                self.relay_until_done(d.relay, d.shutdown).await;
+                Ok((Handled::Applied, parts.len(), last))
             }
-            // Messages taken behind are applied with this one: a batch
-            // operation in the messaging conventions' sense.
-            if parts.len() > 1 {
-                span.record("messaging.batch.message_count", parts.len());
-            }
-            let commands: usize = parts.iter().map(|(_, m)| m.len()).sum();
-            span.record("shelfsync.command_count", commands);
-            let last = parts.last().map_or(seq, |(s, _)| *s);
-            match self.apply_and_commit(&parts, refused, &trace, relay, shutdown).await {
-                Ok(Handled::Applied) => {
-                    failpoint::hit("after_commit");
-                    self.relay_until_done(relay, shutdown).await;
-                    Ok((Handled::Applied, parts.len(), last))
-                }
-                Ok(Handled::Skipped) => Ok((Handled::Skipped, parts.len(), last)),
-                Err(e) => Err(e),
-            }
-        } else {
-            span.record("shelfsync.command_count", scanned.len());
-            span.record("shelfsync.sweep_count", scanned.header.sweeps.len());
-            match scanned.decode_all() {
-                Ok(batch) => {
-                    let steps = self.apply_in_steps(seq, &batch, &trace, relay, shutdown);
-                    steps.await.map(|handled| (handled, 1, seq))
-                }
-                Err(e) => Err(HandleError::Decode(e)),
-            }
-        };
+            Handled::Skipped => Ok((Handled::Skipped, parts.len(), last)),
+        }
+    }
+
+    /// A message with sweeps: decoded whole and applied in steps.
+    async fn apply_sweeps(
+        &self,
+        scanned: Scanned,
+        d: &mut Delivery<'_>,
+    ) -> Result<(Handled, usize, u64), HandleError> {
+        let span = tracing::Span::current();
+        span.record("shelfsync.command_count", scanned.len());
+        span.record("shelfsync.sweep_count", scanned.header.sweeps.len());
+        let batch = scanned.decode_all().map_err(HandleError::Decode)?;
+        let handled = self.apply_in_steps(d.seq, &batch, &d.trace, d.relay, d.shutdown).await?;
+        Ok((handled, 1, d.seq))
+    }
+
+    /// What becomes of a handled message: one applied before is confirmed
+    /// and its outbox drained; one that keeps failing for a reason of its
+    /// own is dead-lettered.
+    async fn settle(
+        &self,
+        result: Result<(Handled, usize, u64), HandleError>,
+        d: &mut Delivery<'_>,
+    ) -> Result<(Handled, usize, u64), HandleError> {
         match result {
             Ok((Handled::Skipped, taken, last)) => {
                 // Applied before, maybe by an owner that died before its
                 // commit reached the replicas: confirmed before the partition
                 // moves on, and its outbox drained (the relay waits too).
-                self.wait_replicas(shutdown).await?;
-                relay.relay().await?;
+                self.wait_replicas(d.shutdown).await?;
+                d.relay.relay().await?;
                 Ok((Handled::Skipped, taken, last))
             }
             Ok(done) => Ok(done),
-            Err(e) if e.is_transient() || attempts + 1 < MAX_FAILED_DELIVERIES => Err(e),
+            Err(e) if e.is_transient() || d.attempts + 1 < MAX_FAILED_DELIVERIES => Err(e),
             Err(e) => {
-                let detail = format!("failed {} times: {e}", attempts + 1);
-                let handled =
-                    self.dead_letter(seq, reason::FAILED, detail, msg, &trace, relay, shutdown);
-                Ok((handled.await?, 1, seq))
+                let detail = format!("failed {} times: {e}", d.attempts + 1);
+                Ok((self.dead_letter(d, reason::FAILED, detail).await?, 1, d.seq))
             }
         }
     }
@@ -322,15 +360,89 @@ impl Worker {
         &self,
         parts: &[(u64, Scanned)],
         refused: Vec<Rejection>,
-        trace: &TraceParts,
-        relay: &mut Relay,
-        shutdown: &Drain,
+        d: &mut Delivery<'_>,
     ) -> Result<Handled, HandleError> {
         let Some(&(last, _)) = parts.last() else { return Ok(Handled::Skipped) };
-        // Commands this owner can vouch for are neither decoded, loaded nor
-        // applied; what full imports carried with them is appended all the same.
+        let (splits, mut loaded) = self.load_parts(parts).await?;
+        let todo: Vec<(u64, &Split)> = parts
+            .iter()
+            .zip(&splits)
+            .map(|((seq, _), split)| (*seq, split))
+            .filter(|(seq, _)| *seq > loaded.at.applied)
+            .collect();
+        if todo.is_empty() {
+            debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
+            return Ok(Handled::Skipped);
+        }
+        if !loaded.at.step.is_empty() {
+            return Err(HandleError::StepOfAnother { seq: last, step: loaded.at.step });
+        }
+        let applied = self.apply_parts(&todo, &mut loaded.slots, refused);
+        let rejected = applied.rejected_keys();
+        let (outbox, _) = self.outbox(&d.trace, d.relay).entries(
+            last,
+            &last.to_string(),
+            0,
+            applied.changes,
+            applied.rejections,
+        );
+        failpoint::hit("before_commit");
+        let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
+        let writes = Writes {
+            slots: Some(&loaded.slots),
+            touched: &applied.carried,
+            outbox: &outbox,
+            sweeps: &[],
+        };
+        // A place that had no record at the load has none but what this
+        // commit writes: its census is complete without a scan. Noted before
+        // the commit, which adds what it wrote (or, failed, forgets it all).
+        for place in &loaded.empty_places {
+            self.known().live.scanned(*place, std::iter::empty());
+        }
+        match self.commit(&fence, &Position::at(last), &writes).await? {
+            Commit::Done => {}
+            Commit::Fenced => return Err(HandleError::Fenced),
+        }
+        let commands = todo.iter().flat_map(|(_, s)| &s.rest.commands);
+        self.known().committed(&loaded.slots, commands, &rejected);
+        self.wait_replicas(d.shutdown).await?;
+        self.note_committed(&todo, parts[0].0, &loaded.slots, applied.outcomes);
+        Ok(Handled::Applied)
+    }
+
+    /// A commit of `todo` (`first`: the delivered message's sequence, the
+    /// others were read ahead) confirmed: the places frozen for keyframes
+    /// see what changed, the keyframes' pacing how late live changes are,
+    /// and the counters what was applied.
+    fn note_committed(
+        &self,
+        todo: &[(u64, &Split)],
+        first: u64,
+        slots: &Slots,
+        outcomes: Vec<(&Split, u64, Outcome)>,
+    ) {
+        self.note_changed(slots);
+        self.shared
+            .keyframe_limits
+            .live
+            .committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
+        let ahead = todo.iter().filter(|(seq, _)| *seq != first).count();
+        self.shared.stats.committed(todo.len() as u64, ahead as u64);
+        for (split, n_changes, o) in outcomes {
+            self.shared.stats.applied(split, n_changes, &o);
+        }
+    }
+
+    /// Splits `parts` into what this owner can vouch for (neither decoded,
+    /// loaded nor applied; what full imports carried with them is appended
+    /// all the same) and the rest, and loads the records the rest touches.
+    async fn load_parts(
+        &self,
+        parts: &[(u64, Scanned)],
+    ) -> Result<(Vec<Split>, Loaded), HandleError> {
         let messages: Vec<&Scanned> = parts.iter().map(|(_, m)| m).collect();
-        let (splits, mut loaded) = loop {
+        loop {
             let splits = self.known().split(&messages).map_err(HandleError::Decode)?;
             // Records the owner knows are not stored are not read.
             let (to_load, not_stored): (Vec<_>, Vec<_>) = {
@@ -348,176 +460,73 @@ impl Worker {
                 continue;
             }
             loaded.slots.extend(not_stored.into_iter().map(|k| (k, Slot::default())));
-            break (splits, loaded);
-        };
-        let todo: Vec<(u64, &crate::known::Split)> = parts
-            .iter()
-            .zip(&splits)
-            .map(|((seq, _), split)| (*seq, split))
-            .filter(|(seq, _)| *seq > loaded.at.applied)
-            .collect();
-        if todo.is_empty() {
-            debug!(partition = %self.partition, last, applied = loaded.at.applied, "already applied");
-            return Ok(Handled::Skipped);
+            return Ok((splits, loaded));
         }
-        if !loaded.at.step.is_empty() {
-            return Err(HandleError::StepOfAnother { seq: last, step: loaded.at.step });
-        }
+    }
+
+    /// Applies the messages `todo` in order to `slots`: their changes go
+    /// out together, per place, in the order they were applied (under the
+    /// last one's sequence), after the `refused` sweeps' rejections.
+    fn apply_parts<'s>(
+        &self,
+        todo: &[(u64, &'s Split)],
+        slots: &mut Slots,
+        refused: Vec<Rejection>,
+    ) -> Applied<'s> {
         let limits = self.limits();
-        // The changes of all of them go out together, per place, in the
-        // order they were applied, under the last one's sequence.
-        let (mut changes, mut rejections) = (Vec::new(), refused);
-        let mut outcomes = Vec::with_capacity(todo.len());
-        let mut carried = Appends::default();
-        for (_, split) in &todo {
-            carried.merge(&split.carried);
-            let mut outcome = apply_batch(&split.rest, &mut loaded.slots, &HashMap::new(), &limits);
+        let mut applied = Applied {
+            changes: Vec::new(),
+            rejections: refused,
+            outcomes: Vec::with_capacity(todo.len()),
+            carried: Appends::default(),
+        };
+        for &(_, split) in todo {
+            applied.carried.merge(&split.carried);
+            let mut outcome = apply_batch(&split.rest, slots, &HashMap::new(), &limits);
             let n = split.skipped;
             (outcome.applied, outcome.unchanged) = (outcome.applied + n, outcome.unchanged + n);
             self.shared.stats.known_skipped(n);
             let n_changes = outcome.changes.len() as u64;
-            changes.append(&mut outcome.changes);
-            rejections.extend(outcome.rejections.iter().cloned());
-            outcomes.push((*split, n_changes, outcome));
+            applied.changes.append(&mut outcome.changes);
+            applied.rejections.extend(outcome.rejections.iter().cloned());
+            applied.outcomes.push((split, n_changes, outcome));
         }
-        carried.extend(outcomes.iter().flat_map(|(_, _, o)| &o.touched));
-        let rejected: Vec<crate::apply::Key> = rejections
+        applied.carried.extend(applied.outcomes.iter().flat_map(|(_, _, o)| &o.touched));
+        applied
+    }
+}
+
+/// One delivered command message in hand, from its read to its ack: what
+/// it came with, and the relay and shutdown its commit and relay use.
+pub(super) struct Delivery<'a> {
+    pub(super) msg: &'a jetstream::Message,
+    pub(super) seq: u64,
+    /// Earlier deliveries of it that failed.
+    pub(super) attempts: u64,
+    /// The trace context its outbox entries keep.
+    pub(super) trace: TraceParts,
+    pub(super) relay: &'a mut Relay,
+    pub(super) shutdown: &'a Drain,
+}
+
+/// What the messages of one commit came to once applied.
+struct Applied<'s> {
+    changes: Vec<Change>,
+    rejections: Vec<Rejection>,
+    /// Per message: its split, how many changes it made, its outcome.
+    outcomes: Vec<(&'s Split, u64, Outcome)>,
+    /// What full imports carried, to append to their touched sets.
+    carried: Appends,
+}
+
+impl Applied<'_> {
+    /// The keys of the commands rejected (the owner learns nothing of them).
+    fn rejected_keys(&self) -> Vec<crate::apply::Key> {
+        self.rejections
             .iter()
             .filter_map(|r| r.key.as_ref())
             .map(|k| (k.brand_id, k.place_id, k.product_id.clone()))
-            .collect();
-        let (outbox, _) =
-            self.outbox(trace, relay).entries(last, &last.to_string(), 0, changes, rejections);
-        failpoint::hit("before_commit");
-        let fence = Fence { at: loaded.at.clone(), stream: self.stream_identity() };
-        let writes =
-            Writes { slots: Some(&loaded.slots), touched: &carried, outbox: &outbox, sweeps: &[] };
-        // A place that had no record at the load has none but what this
-        // commit writes: its census is complete without a scan. Noted before
-        // the commit, which adds what it wrote (or, failed, forgets it all).
-        for place in &loaded.empty_places {
-            self.known().live.scanned(*place, std::iter::empty());
-        }
-        match self.commit(&fence, &Position::at(last), &writes).await? {
-            Commit::Done => {}
-            Commit::Fenced => return Err(HandleError::Fenced),
-        }
-        let applied = todo.iter().flat_map(|(_, s)| &s.rest.commands);
-        self.known().committed(&loaded.slots, applied, &rejected);
-        self.wait_replicas(shutdown).await?;
-        self.note_changed(&loaded.slots);
-        self.shared
-            .keyframe_limits
-            .live
-            .committed(|| oldest_published(todo.iter().map(|(_, s)| *s)));
-        let ahead = todo.iter().filter(|(seq, _)| *seq != parts[0].0).count();
-        self.shared.stats.committed(todo.len() as u64, ahead as u64);
-        for (split, n_changes, o) in outcomes {
-            self.shared.stats.applied(split, n_changes, &o);
-        }
-        Ok(Handled::Applied)
-    }
-
-    /// Whether Redis went back in time under this owner (a failover to a
-    /// replica that lagged, a restart from an older snapshot or AOF, a
-    /// restore): it says the partition stands before this worker's last
-    /// commit. Then everything the owner remembers may be false (records it
-    /// vouches for as unchanged may have been lost), so it is forgotten —
-    /// the next import then repairs what was lost — and the episode is
-    /// logged and counted.
-    pub(crate) fn went_back(&self, at: &Position) -> bool {
-        let last = self.last_commit.load(Ordering::Relaxed);
-        if at.applied >= last {
-            return false;
-        }
-        error!(
-            partition = %self.partition, committed = last, redis_says = at.applied,
-            "Redis went back in time (failover to a lagging replica, restart from an older \
-             snapshot, restore): what this owner remembered is forgotten and the partition goes \
-             on from what Redis holds; commands acked since are lost unless sent again (a full \
-             import repairs its records)"
-        );
-        self.known().clear();
-        self.shared.store.forget_head(self.partition);
-        self.last_commit.store(0, Ordering::Relaxed);
-        self.shared.stats.redis_went_back();
-        true
-    }
-
-    /// Commits `writes` and keeps [`Known`] true: the records written are
-    /// forgotten, and a commit that failed or was fenced (it may have been
-    /// written all the same, or another owner wrote) forgets everything.
-    pub(crate) async fn commit(
-        &self,
-        fence: &Fence,
-        to: &Position,
-        writes: &Writes<'_>,
-    ) -> Result<Commit, StoreError> {
-        let result = self.shared.store.commit(self.partition, fence, to, writes).await;
-        if let Ok(Commit::Done) = result {
-            self.last_commit.fetch_max(to.applied, Ordering::Relaxed);
-        }
-        let mut known = self.known();
-        match (&result, writes.slots) {
-            (Ok(Commit::Done), Some(slots)) => known.forget_written(slots),
-            (Ok(Commit::Done), None) => {}
-            _ => known.clear(),
-        }
-        result
-    }
-
-    /// With `redis.wait_replicas`, waits until that many Redis replicas have
-    /// every write made so far, by this process or any other (`WAIT` after
-    /// a write of its own, so that a fresh connection cannot pass it
-    /// trivially: `Store::wait_replicas`), however many timeouts it takes:
-    /// a commit is neither published nor acked before. Stops waiting (an
-    /// error: nothing acked) when shutdown starts.
-    pub(crate) async fn wait_replicas(&self, shutdown: &Drain) -> Result<(), HandleError> {
-        let want = self.shared.config.redis.wait_replicas;
-        if want == 0 {
-            return Ok(());
-        }
-        let timeout = self.shared.config.redis.wait_timeout;
-        loop {
-            let have = self.shared.store.wait_replicas(self.partition, want, timeout).await?;
-            if have >= want {
-                return Ok(());
-            }
-            self.shared.stats.redis_wait_retried();
-            self.pressure.on(super::Cause::RedisReplicas, &HandleError::Replicas { have, want });
-            if shutdown.is_started() {
-                return Err(HandleError::Stopping);
-            }
-        }
-    }
-
-    /// Relays until the outbox is empty, waiting (backpressure) while NATS
-    /// or Redis is away or out of room; gives up only on shutdown (the
-    /// outbox stays for the next run).
-    pub(crate) async fn relay_until_done(&self, relay: &mut Relay, shutdown: &Drain) {
-        let mut attempt = 0;
-        loop {
-            let e = match relay.relay().await {
-                Ok(_) if attempt == 0 => return,
-                Ok(_) => return self.pressure.off(),
-                Err(e) => HandleError::Relay(e),
-            };
-            attempt += 1;
-            let delay = super::pressure::jittered(RELAY_RETRY, attempt, RELAY_RETRY_MAX);
-            match e.pressure() {
-                Some(cause) => self.pressure.on(cause, &e),
-                None => {
-                    warn!(partition = %self.partition, error = %chain(&e), retry_in = ?delay, "outbox relay failed")
-                }
-            }
-            if shutdown.is_started() {
-                return;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                _ = shutdown.started() => return,
-            }
-        }
+            .collect()
     }
 }
 
@@ -554,7 +563,7 @@ fn outbox_trace(msg: &jetstream::Message) -> TraceParts {
 
 /// When the oldest command of `splits` was published, microseconds since
 /// the epoch (0: none says).
-fn oldest_published<'a>(splits: impl IntoIterator<Item = &'a crate::known::Split>) -> i64 {
+fn oldest_published<'a>(splits: impl IntoIterator<Item = &'a Split>) -> i64 {
     splits
         .into_iter()
         .flat_map(|s| {
