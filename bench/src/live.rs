@@ -9,7 +9,7 @@
 //! when the kit hands the change to the handler, "indexed" when the index holds it.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use shelfsync_feed::{ChangeFeed, FeedConfig, FeedStatus, Handler, HandlerError, Update};
@@ -17,18 +17,11 @@ use shelfsync_recommender::{IndexHandler, SharedIndex};
 use tokio::sync::oneshot;
 
 use crate::children::Target;
-use crate::load::Load;
+use crate::load::{LOAD_SOURCE, Load, now_us};
 use crate::measure;
 use crate::report::{CpuCores, FreshnessRun, KeyframeRun, Report};
 use crate::stats::Percentiles;
 use crate::world::{BRAND, World};
-
-/// `Origin.source` of the load generator's commands: only these are timed.
-pub const LOAD_SOURCE: &str = "bench-live";
-
-pub fn now_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
-}
 
 /// One timed change: when it was published, applied by storage (the record's
 /// `updated_at`), reached the handler, was in the index (µs).

@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use crate::children::Target;
-use crate::live::{Consumer, CpuSnapshot, drain, freshness, now_us};
-use crate::load::{Load, Mode, Spec};
+use crate::live::{Consumer, CpuSnapshot, drain, freshness};
+use crate::load::{Load, Mode, Spec, now_us};
 use crate::report::{FreshnessRun, Report, TargetCheck};
 use crate::stats::fmt_num;
 use crate::world::World;

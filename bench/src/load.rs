@@ -8,7 +8,7 @@
 //! - [`Mode::Single`]: one command per message, raw JetStream publishes (256 in flight), what
 //!   a producer that uses no kit sends: the worst case the server allows.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -18,8 +18,15 @@ use shelfsync_proto::{Command, CommandBatch, CommandKind, Origin, Product, Recor
 use tokio::sync::watch;
 
 use crate::children::Target;
-use crate::live::{LOAD_SOURCE, now_us};
 use crate::world::{BRAND, World};
+
+/// `Origin.source` of the load generator's commands: only these are timed.
+pub const LOAD_SOURCE: &str = "bench-live";
+
+/// Wall-clock microseconds (what `Origin.published_at` carries).
+pub fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
+}
 
 /// How the load is sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -81,7 +81,9 @@ impl Profile {
                 live_rates_kit: vec![1_000, 2_000, 5_000],
                 live_rates_single: vec![1_000, 2_000],
                 live_run: Duration::from_secs(10),
-                ceiling_rates: vec![1_000, 2_000, 3_000, 4_000, 5_000, 10_000, 15_000, 20_000, 25_000],
+                ceiling_rates: vec![
+                    1_000, 2_000, 3_000, 4_000, 5_000, 10_000, 15_000, 20_000, 25_000,
+                ],
                 ceiling_hold: Duration::from_secs(20),
                 pg_live_connections: vec![4, 8, 16],
             }
