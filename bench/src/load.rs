@@ -131,7 +131,7 @@ async fn generate(ctx: Ctx, mut stopped: watch::Receiver<bool>) -> anyhow::Resul
         Mode::Single => Sender::Single(Box::new(Publisher::new(ctx.js.clone(), 256))),
     };
     let mut stored = FuturesUnordered::new();
-    let mut rng = Rng(ctx.run_id);
+    let mut offers = Offers::new(ctx.run_id, ctx.spec.places, ctx.spec.items);
     let mut interval = tokio::time::interval(ctx.tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let started = Instant::now();
@@ -149,7 +149,7 @@ async fn generate(ctx: Ctx, mut stopped: watch::Receiver<bool>) -> anyhow::Resul
         // What is due by now at the offered rate, whatever the tick jitter was.
         let due = (started.elapsed().as_secs_f64() * ctx.spec.rate as f64) as u64;
         for k in sent..due {
-            let command = change(&ctx, &mut rng, k);
+            let command = change(&ctx, &mut offers, k);
             match &mut sender {
                 Sender::Kit(publisher) => stored.push(publisher.submit(command).await?),
                 Sender::Single(publisher) => {
@@ -181,13 +181,41 @@ async fn generate(ctx: Ctx, mut stopped: watch::Receiver<bool>) -> anyhow::Resul
     Ok(sent)
 }
 
-/// The `k`-th change of the run: a price no record had before, for a random offer.
-fn change(ctx: &Ctx, rng: &mut Rng, k: u64) -> Command {
-    let place = 1 + rng.below(u64::from(ctx.spec.places)) as i64;
-    let n = 1 + rng.below(u64::from(ctx.spec.items));
-    let price = 1_000_000 + (ctx.run_id << 32 | k) as i64 % 1_000_000_000;
+/// One live change: an offer of the bench's brand and a price no record had before.
+pub struct Offer {
+    pub place: i64,
+    pub product_id: String,
+    pub price: i64,
+}
+
+/// The changes of one run, in order: a random offer each (places 1..=places, `items` offers
+/// each), deterministic per run — what shelfsync's load and the PostgreSQL peer both send.
+pub struct Offers {
+    rng: Rng,
+    places: u32,
+    items: u32,
+    run_id: u64,
+}
+
+impl Offers {
+    pub fn new(run_id: u64, places: u32, items: u32) -> Offers {
+        Offers { rng: Rng(run_id), places, items, run_id }
+    }
+
+    /// The `k`-th change of the run.
+    pub fn change(&mut self, k: u64) -> Offer {
+        let place = 1 + self.rng.below(u64::from(self.places)) as i64;
+        let n = 1 + self.rng.below(u64::from(self.items));
+        let price = 1_000_000 + (self.run_id << 32 | k) as i64 % 1_000_000_000;
+        Offer { place, product_id: format!("sku-{place}-{n}"), price }
+    }
+}
+
+/// The `k`-th change of the run as a PATCH command.
+fn change(ctx: &Ctx, offers: &mut Offers, k: u64) -> Command {
+    let Offer { place, product_id, price } = offers.change(k);
     Command {
-        key: Some(RecordKey::new(BRAND, place, format!("sku-{place}-{n}"))),
+        key: Some(RecordKey::new(BRAND, place, product_id)),
         kind: CommandKind::Patch as i32,
         data: Product { price: Some(price), ..Default::default() }.encode_to_vec(),
         origin: Some(Origin {

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shelfsync_bus::Subjects;
+use shelfsync_settings::Settings;
 use shelfsync_testkit::{NatsServer, eventually};
 
 /// The file every deployment's NATS users come from.
@@ -35,6 +36,26 @@ pub fn authorization(conf: &str, prefix: &str, password: impl Fn(&str) -> String
         .map(|l| if l.trim_start().starts_with("max_file:") { "max_file: 3GiB" } else { l })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// The password the tests give a service user of the deployment's config.
+pub fn password(user: &str) -> String {
+    format!("pw-{user}-s3cret")
+}
+
+/// `settings` logged in as `user` with `password`, receiving replies on
+/// `_INBOX_<user>` (the only inboxes the user may subscribe to).
+pub fn with_user(settings: &Settings, user: &str, password: &str) -> Settings {
+    let mut s = settings.clone();
+    s.nats.user = Some(user.into());
+    s.nats.password = Some(password.into());
+    s.nats.inbox_prefix = format!("_INBOX_{user}");
+    s
+}
+
+/// `settings` as the service user `user`, with its test [`password`].
+pub fn as_user(settings: &Settings, user: &str) -> Settings {
+    with_user(settings, user, &password(user))
 }
 
 /// What the server told a client it refused (lower-cased).

@@ -190,9 +190,5 @@ pub fn pid_with_arg(needle: &str) -> Option<u32> {
 
 /// Sends `signal` (e.g. `STOP`, `CONT`, `KILL`) to one process by its id.
 pub fn signal(pid: u32, signal: &str) {
-    let status = Process::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .expect("running kill");
-    assert!(status.success(), "kill -{signal} {pid} failed");
+    shelfsync_testkit::signal(pid, signal).expect("kill");
 }

@@ -22,27 +22,15 @@ use shelfsync_bus::Partition;
 use shelfsync_feed::{ChangeFeed, FeedConfig};
 use shelfsync_settings::Settings;
 use shelfsync_testkit::{NatsServer, RedisServer, TestEnv, unique_name};
+use shelfsync_tests::natsauth::{as_user, password};
 use shelfsync_tests::*;
 
 const BRAND: i64 = 7;
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-s3cret")
-}
 
 /// compose/nats/nats.conf's users and permissions for a test prefix.
 fn authorization(prefix: &str) -> String {
     let conf = std::fs::read_to_string(COMPOSE_NATS_CONF).expect("compose/nats/nats.conf");
     natsauth::authorization(&conf, prefix, password)
-}
-
-fn as_user(settings: &Settings, user: &str) -> Settings {
-    let mut s = settings.clone();
-    s.nats.user = Some(user.into());
-    s.nats.password = Some(password(user));
-    // The only inboxes the user may subscribe to.
-    s.nats.inbox_prefix = format!("_INBOX_{user}");
-    s
 }
 
 /// A client of `user` whose server errors (permission violations) are kept.

@@ -17,20 +17,8 @@ use futures::StreamExt;
 use shelfsync_bus::Partition;
 use shelfsync_settings::Settings;
 use shelfsync_testkit::{NatsServer, RedisServer, TestEnv, unique_name};
-use shelfsync_tests::natsauth::{client_as, refused};
+use shelfsync_tests::natsauth::{as_user, client_as, password, refused, with_user};
 use shelfsync_tests::*;
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-s3cret")
-}
-
-fn as_user(settings: &Settings, user: &str) -> Settings {
-    let mut s = settings.clone();
-    s.nats.user = Some(user.into());
-    s.nats.password = Some(password(user));
-    s.nats.inbox_prefix = format!("_INBOX_{user}");
-    s
-}
 
 /// A copy of the deployment's NATS configs that the CLI edits.
 struct Configs {
@@ -303,10 +291,7 @@ async fn the_picks_template_runs_under_its_team_user() {
     h.send(vec![patch(7, 1, "sku-1", &discounted("Roses", 80, 100), 0)]).await.expect("import");
     h.wait_settled().await;
 
-    let mut settings = base.clone();
-    settings.nats.user = Some("picks".into());
-    settings.nats.password = Some(configs.team_password("picks"));
-    settings.nats.inbox_prefix = "_INBOX_picks".into();
+    let settings = with_user(&base, "picks", &configs.team_password("picks"));
     let (_, errors) =
         client_as(&env.nats, "picks", &configs.team_password("picks")).await.expect("login");
     let app = shelfsync_picks::App::build_replica(settings, "127.0.0.1:0", Some(1))

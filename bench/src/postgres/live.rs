@@ -15,8 +15,8 @@ use tokio::sync::mpsc;
 use super::load;
 use super::server::PgServer;
 use super::sql::{self, Variant};
-use crate::live_table::{CEILING_DRAIN_S, CEILING_P99_MS};
-use crate::load::now_us;
+use crate::live_table;
+use crate::load::{Offers, now_us};
 use crate::report::{FreshnessRun, PostgresLive, Report};
 use crate::stats::Percentiles;
 use crate::world::{BRAND, World};
@@ -66,9 +66,7 @@ async fn measure(world: &World, peer: &mut PostgresLive) -> anyhow::Result<()> {
         run_id += 1;
         let mut row = timed(&clients, n, rate, p.ceiling_hold, run_id, world).await?;
         row.label = format!("ceiling step: {}", row.label);
-        let held = row.received >= row.published
-            && row.indexed.p99 <= CEILING_P99_MS
-            && row.drained_after_s.is_some_and(|s| s <= CEILING_DRAIN_S);
+        let held = live_table::holds(&row);
         peer.rows.push(row);
         if !held {
             break;
@@ -125,26 +123,26 @@ async fn timed(
     let started = now_us();
     let clock = Instant::now();
     let mut interval = tokio::time::interval(p.fresh_tick);
-    let (mut sent, mut rng) = (0u64, run_id.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut offers = Offers::new(run_id, p.live_places, p.live_items);
+    let mut sent = 0u64;
     while clock.elapsed() < length {
         interval.tick().await;
         let due = (clock.elapsed().as_secs_f64() * rate as f64) as u64;
         for k in sent..due {
-            rng =
-                rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            let place = 1 + ((rng >> 33) % u64::from(p.live_places)) as i64;
-            let item = 1 + ((rng >> 17) % u64::from(p.live_items));
-            let record = (place as u64).wrapping_mul(31).wrapping_add(item);
+            let offer = offers.change(k);
+            // A record always goes to the same connection: its changes keep their order.
+            let connection = {
+                let mut h = std::hash::DefaultHasher::new();
+                std::hash::Hash::hash(&offer.product_id, &mut h);
+                std::hash::Hasher::finish(&h) % n as u64
+            };
             let change = Change {
-                place,
-                product_id: format!("sku-{place}-{item}"),
-                payload: format!(
-                    "{{\"price\": {}}}",
-                    1_000_000 + (run_id << 32 | k) % 1_000_000_000
-                ),
+                place: offer.place,
+                product_id: offer.product_id,
+                payload: format!("{{\"price\": {}}}", offer.price),
                 submitted: now_us(),
             };
-            senders[(record % n as u64) as usize].send(change).context("a connection stopped")?;
+            senders[connection as usize].send(change).context("a connection stopped")?;
         }
         sent = due.max(sent);
     }

@@ -38,7 +38,7 @@ const RESERVED: &[&str] =
 
 /// A consumer team: its name, how many replicas may each hold a consumer
 /// of their own, and whether it may publish commands.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Team {
     pub name: String,
     pub replicas: u32,
@@ -131,8 +131,8 @@ impl Team {
         indent: &str,
     ) -> String {
         let (publish, subscribe) = self.permissions(subjects);
-        let list = |subjects: &[String], indent: &str| {
-            subjects.iter().map(|s| format!("{indent}  \"{s}\"")).collect::<Vec<_>>().join("\n")
+        let list = |subjects: &[String]| {
+            subjects.iter().map(|s| format!("{indent}      \"{s}\"")).collect::<Vec<_>>().join("\n")
         };
         format!(
             "{indent}{tag}\n{indent}{{\n{indent}  user: {name}\n{indent}  password: \"{password_hash}\"\n\
@@ -140,8 +140,8 @@ impl Team {
              {indent}    subscribe: {{ allow: [\n{subscribe}\n{indent}    ] }}\n{indent}  }}\n{indent}}}\n",
             tag = self.tag(),
             name = self.name,
-            publish = list(&publish, &format!("{indent}    ")),
-            subscribe = list(&subscribe, &format!("{indent}    ")),
+            publish = list(&publish),
+            subscribe = list(&subscribe),
         )
     }
 
@@ -168,14 +168,6 @@ impl Team {
     }
 }
 
-/// A team as its entry's comment records it (what `list` shows).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Listed {
-    pub name: String,
-    pub replicas: u32,
-    pub may_publish_commands: bool,
-}
-
 /// The region between [`BEGIN`] and [`END`] of a config file: the byte
 /// range of its body (after BEGIN's line, up to END's line) and the
 /// indentation of the BEGIN line.
@@ -189,8 +181,9 @@ fn region(text: &str) -> Result<(usize, usize, String), String> {
     Ok((body, end_line, indent))
 }
 
-/// The teams a config file's region holds.
-pub fn list(text: &str) -> Result<Vec<Listed>, String> {
+/// The teams a config file's region holds, as their entries' comments
+/// record them.
+pub fn list(text: &str) -> Result<Vec<Team>, String> {
     let (body, end, _) = region(text)?;
     let mut teams = Vec::new();
     for line in text[body..end].lines() {
@@ -204,7 +197,7 @@ pub fn list(text: &str) -> Result<Vec<Listed>, String> {
             .ok_or_else(|| format!("bad team line: {line}"))?
             + 1;
         let may_publish_commands = rest.trim_end().ends_with("commands: yes");
-        teams.push(Listed { name: name.to_string(), replicas, may_publish_commands });
+        teams.push(Team { name: name.to_string(), replicas, may_publish_commands });
     }
     Ok(teams)
 }

@@ -34,6 +34,7 @@ pub use bins::{
 pub use cluster::{NatsCluster, RedisCluster};
 pub use env::settings_env;
 pub use nats::NatsServer;
+pub use process::signal;
 pub use redis::RedisServer;
 
 /// Both servers plus a unique prefix/namespace, so many tests can share nothing but the machine.

@@ -80,12 +80,7 @@ impl NatsServer {
     pub fn reload_with_config(&self, extra_conf: &str) -> anyhow::Result<()> {
         self.write_config(extra_conf)?;
         let pid = self.pid().context("nats-server is not running")?;
-        let status =
-            std::process::Command::new("kill").args(["-HUP", &pid.to_string()]).status()?;
-        if !status.success() {
-            bail!("kill -HUP {pid}: {status}");
-        }
-        Ok(())
+        process::signal(pid, "HUP")
     }
 
     /// JetStream's store dir; it survives [`NatsServer::kill`] and is reused by `restart`.

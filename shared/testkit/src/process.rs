@@ -202,6 +202,13 @@ pub(crate) fn random_u64() -> u64 {
     hasher.finish()
 }
 
+/// Sends `signal` (`HUP`, `STOP`, `CONT`, `KILL`, ...) to the process `pid`.
+pub fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill").args([format!("-{signal}"), pid.to_string()]).status()?;
+    anyhow::ensure!(status.success(), "kill -{signal} {pid}: {status}");
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
