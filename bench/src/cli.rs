@@ -46,6 +46,12 @@ pub struct Cli {
     #[arg(long)]
     pub volatile: bool,
 
+    /// NATS as the prod overlay runs it: a 3-node cluster (all on this machine), every stream
+    /// with 3 replicas, JetStream's default sync (an ack means 2 of 3 nodes have the message).
+    /// Redis stays durable unless --volatile. Meant for `--only live`.
+    #[arg(long)]
+    pub nats_cluster: bool,
+
     /// Skip the PostgreSQL peer of the re-import scenario (by default it runs with it, on a
     /// private cluster; Debian's `postgresql` is installed with apt-get when missing).
     #[arg(long)]

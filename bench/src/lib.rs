@@ -12,7 +12,8 @@
 //! - `reference`: the floor (consume + batched Redis read + generation write, no logic) and the
 //!   naive way (rewrite and republish every record);
 //! - scenarios: `reimport` (1–3, 8), `live` (4, 5: freshness and keyframes), `rss` (6),
-//!   `recommender` (7);
+//!   `recommender` (7), `live_table` (the live path: rates × producers, the ceiling; `load` is
+//!   its load generator, `store_floor` what the run's NATS stores per second);
 //! - next to the re-imports: `parse_floor` (ingest's parser alone) and `postgres`, the same
 //!   dumps into a private PostgreSQL (offers table and outbox, change detection in SQL);
 //! - `measure`: `/proc` CPU and RSS, Redis `INFO`; `stats`: percentiles; `http`: a tiny client
@@ -20,7 +21,8 @@
 //!
 //! It owns its servers, work dir and output dir; it never touches servers on the default ports.
 //! Its servers are durable (Redis fsyncs its AOF on every write, JetStream every write,
-//! PostgreSQL keeps `fsync` and `synchronous_commit` on), unless `--volatile`.
+//! PostgreSQL keeps `fsync` and `synchronous_commit` on), unless `--volatile`; with
+//! `--nats-cluster` NATS is three nodes with R3 streams and its default sync, as in prod.
 //! Times are never asserted on: the harness reports, CI only checks that it runs.
 #![forbid(unsafe_code)]
 
@@ -42,6 +44,7 @@ mod report;
 mod roles;
 mod rss;
 mod stats;
+mod store_floor;
 mod world;
 
 use std::time::Instant;
@@ -67,7 +70,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     std::fs::create_dir_all(&cli.out)
         .with_context(|| format!("creating the output dir {}", cli.out.display()))?;
-    let world = World::start(profile.clone(), work.clone(), !cli.volatile).await?;
+    let world =
+        World::start(profile.clone(), work.clone(), !cli.volatile, cli.nats_cluster).await?;
     let mut report = Report::new(&profile, &world).await;
     eprintln!(
         "[bench] profile {}: {} records in {} places; nats {} redis {}; work dir {}",

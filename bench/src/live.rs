@@ -356,7 +356,7 @@ impl CpuSnapshot {
             at: Instant::now(),
             cpu: CpuCores {
                 storage: storage.cpu_seconds(),
-                nats: of(world.nats.pid()),
+                nats: world.nats_cpu().unwrap_or(0.0),
                 redis: of(world.redis.pid()),
                 harness: measure::self_cpu_seconds(),
             },

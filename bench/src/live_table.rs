@@ -23,6 +23,7 @@ pub const CEILING_DRAIN_S: f64 = 1.0;
 
 pub async fn run(world: &World, storage: &Target, report: &mut Report) -> anyhow::Result<()> {
     let p = &world.profile;
+    report.live_store_floor = Some(crate::store_floor::measure(world).await?);
     let (consumer, _) = Consumer::start(world, storage).await?;
     let (places, items) = (p.live_places, p.live_items);
     let mut run_id = 100;
@@ -108,10 +109,10 @@ impl Report {
         }
         let _ = writeln!(
             md,
-            "### Live path: publish → ChangeFeed consumer, {} ({} places)\n\n\
+            "### Live path: publish → ChangeFeed consumer ({} servers, {} places)\n\n\
              | run | offered /s | delivered / published | p50 ms | p99 ms | drained after s | CPU s per 1k changes: storage / nats / redis / harness |\n\
              |---|---:|---:|---:|---:|---:|---|",
-            if self.durable { "durable servers" } else { "volatile servers" },
+            self.durability_word(),
             self.live_places,
         );
         let peer = self.postgres_live.as_ref();
@@ -146,6 +147,21 @@ impl Report {
             peer.map_or("not run".into(), |p| ceiling(p.ceiling_per_s)),
             peer.map_or(String::new(), |p| format!(" ({} connections)", p.connections)),
         );
+        if let Some(f) = &self.live_store_floor {
+            let _ = writeln!(
+                md,
+                "What this NATS stores, one stream, {} messages over {} subjects: {} msgs/s as \
+                 separate publishes ({} in flight), {} msgs/s as atomic batches of {}. Each \
+                 place changed in a commit round is one change message, so on a server that \
+                 fsyncs every write this bounds the live path.\n",
+                f.messages,
+                f.subjects,
+                fmt_num(f.separate_per_s),
+                f.in_flight,
+                fmt_num(f.atomic_per_s),
+                f.batch
+            );
+        }
     }
 
     /// The live targets: p99 at 5,000/s through the kit, p99 at 2,000/s one command per

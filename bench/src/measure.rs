@@ -90,20 +90,6 @@ pub fn family_cpu_seconds(pid: u32) -> Option<f64> {
     Some((own + children) as f64 / clock_ticks())
 }
 
-/// The pid of a child of this process running `comm` (e.g. the testkit's `nats-server`).
-pub fn child_pid(comm: &str) -> Option<u32> {
-    let me = std::process::id();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
-        let name = entry.file_name();
-        let pid = name.to_str()?;
-        if !pid.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        let stat = stat_of(pid)?;
-        (stat.ppid == me && stat.comm == comm).then(|| pid.parse().ok())?
-    })
-}
-
 /// One `INFO` of Redis as key → value.
 #[derive(Debug, Default, Clone)]
 pub struct RedisInfo(HashMap<String, String>);

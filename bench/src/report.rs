@@ -35,6 +35,8 @@ pub struct Report {
     pub partitions: u32,
     /// Whether the servers fsync what they acknowledge, and how (every figure is under it).
     pub durable: bool,
+    /// NATS was a 3-node cluster with R3 streams (`--nats-cluster`).
+    pub nats_cluster: bool,
     pub durability: String,
     pub imports: Vec<ImportRow>,
     /// Ingest's parser alone over the base dump.
@@ -50,6 +52,8 @@ pub struct Report {
     /// The live path's table (`live_table`), its ceiling, and the PostgreSQL peer's.
     pub live: Vec<FreshnessRun>,
     pub live_ceiling_per_s: Option<f64>,
+    /// What the run's NATS stores per second, separate publishes vs atomic batches.
+    pub live_store_floor: Option<StoreFloor>,
     pub postgres_live: Option<PostgresLive>,
     pub targets: Vec<TargetCheck>,
     pub notes: Vec<String>,
@@ -254,6 +258,19 @@ pub struct KeyframeRun {
     pub live_baseline_p99_ms: Option<f64>,
 }
 
+/// Messages per second one stream of the run's NATS stores (`store_floor`).
+#[derive(Debug, Default, Serialize)]
+pub struct StoreFloor {
+    pub messages: u64,
+    pub subjects: u64,
+    /// Separate publishes, `in_flight` at once.
+    pub separate_per_s: f64,
+    pub in_flight: u64,
+    /// Atomic batches of `batch` messages.
+    pub atomic_per_s: f64,
+    pub batch: u64,
+}
+
 #[derive(Debug, Default, Serialize)]
 pub struct FreshnessRun {
     pub label: String,
@@ -402,7 +419,8 @@ impl Report {
             live_places: profile.live_places,
             partitions: profile.partitions,
             durable: world.durable,
-            durability: world.durability().into(),
+            nats_cluster: world.cluster(),
+            durability: world.durability(),
             ..Default::default()
         }
     }

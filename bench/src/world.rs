@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use async_nats::jetstream;
 use shelfsync_settings::{ImportKind, PartnerSettings, Settings};
-use shelfsync_testkit::{NatsServer, RedisServer};
+use shelfsync_testkit::{NatsCluster, NatsServer, RedisServer};
 
 use crate::measure::{self, RedisInfo};
 use crate::profile::Profile;
@@ -27,6 +27,34 @@ const DURABLE: &str = "durable: Redis appendonly yes + appendfsync always, \
 const VOLATILE: &str = "volatile: Redis without AOF or snapshots, \
      NATS JetStream with its default sync (every 2 minutes)";
 
+/// The NATS side of a `--nats-cluster` run, as the prod overlay runs it.
+const CLUSTER: &str = "NATS: 3 nats-server nodes, streams with 3 replicas, JetStream's \
+     default sync (a message is acknowledged once 2 of the 3 nodes have it; none fsyncs it)";
+
+/// The run's NATS: one server, or a 3-node cluster with R3 streams (`--nats-cluster`).
+pub enum Nats {
+    One(NatsServer),
+    Cluster(NatsCluster),
+}
+
+impl Nats {
+    /// Client URL(s): a comma-separated list for the cluster.
+    pub fn url(&self) -> String {
+        match self {
+            Nats::One(n) => n.url(),
+            Nats::Cluster(c) => c.urls(),
+        }
+    }
+
+    /// Every nats-server process of the run.
+    fn pids(&self) -> Vec<u32> {
+        match self {
+            Nats::One(n) => n.pid().into_iter().collect(),
+            Nats::Cluster(c) => (0..c.len()).filter_map(|i| c.node(i).pid()).collect(),
+        }
+    }
+}
+
 /// JetStream fsyncing every write. NATS config keys do not merge, so this block replaces the
 /// testkit's whole `jetstream` block: it repeats its limits, with the store under `store`.
 fn durable_jetstream(store: &Path) -> String {
@@ -38,15 +66,15 @@ fn durable_jetstream(store: &Path) -> String {
 }
 
 pub struct World {
-    pub nats: NatsServer,
+    pub nats: Nats,
     pub redis: RedisServer,
     pub client: async_nats::Client,
     pub js: jetstream::Context,
     info_conn: redis::aio::MultiplexedConnection,
-    nats_pid: Option<u32>,
     pub profile: Profile,
     pub work: PathBuf,
-    /// Servers fsync what they acknowledge (the default), or not (`--volatile`).
+    /// Servers fsync what they acknowledge (the default), or not (`--volatile`); with a NATS
+    /// cluster only Redis does (the replicas are the cluster's durability).
     pub durable: bool,
 }
 
@@ -65,6 +93,14 @@ async fn start_servers(work: &Path, durable: bool) -> anyhow::Result<(NatsServer
     .context("starting nats-server and redis-server (see shelfsync-testkit)")
 }
 
+/// A 3-node NATS cluster with JetStream's default sync (the prod overlay's settings) and Redis
+/// durable or not.
+async fn start_cluster(durable: bool) -> anyhow::Result<(NatsCluster, RedisServer)> {
+    let redis_args = if durable { &REDIS_DURABLE[..] } else { &[][..] };
+    tokio::try_join!(NatsCluster::start(3), RedisServer::start_with_args(redis_args))
+        .context("starting a 3-node NATS cluster and redis-server (see shelfsync-testkit)")
+}
+
 /// `<target dir>/bench-work/run-<pid>`, the target dir being where this binary was built: one
 /// dir per run, so that runs sharing a target dir (CI jobs) never delete each other's dumps.
 pub fn default_work_dir() -> anyhow::Result<PathBuf> {
@@ -75,24 +111,48 @@ pub fn default_work_dir() -> anyhow::Result<PathBuf> {
 }
 
 impl World {
-    pub async fn start(profile: Profile, work: PathBuf, durable: bool) -> anyhow::Result<World> {
+    /// Starts the run's servers: one nats-server, or a 3-node cluster when `cluster`.
+    pub async fn start(
+        profile: Profile,
+        work: PathBuf,
+        durable: bool,
+        cluster: bool,
+    ) -> anyhow::Result<World> {
         std::fs::create_dir_all(&work)
             .with_context(|| format!("creating the work dir {}", work.display()))?;
-        let (nats, redis) = start_servers(&work, durable).await?;
-        let client = async_nats::connect(nats.url()).await.context("connecting to NATS")?;
+        let (nats, redis) = if cluster {
+            let (c, r) = start_cluster(durable).await?;
+            (Nats::Cluster(c), r)
+        } else {
+            let (n, r) = start_servers(&work, durable).await?;
+            (Nats::One(n), r)
+        };
+        let urls: Vec<String> = nats.url().split(',').map(String::from).collect();
+        let client = async_nats::connect(urls.as_slice()).await.context("connecting to NATS")?;
         let js =
             jetstream::ContextBuilder::new().timeout(Duration::from_secs(30)).build(client.clone());
         let info_conn = redis::Client::open(redis.url())?
             .get_multiplexed_async_connection()
             .await
             .context("connecting to Redis")?;
-        let nats_pid = measure::child_pid("nats-server");
-        Ok(World { nats, redis, client, js, info_conn, nats_pid, profile, work, durable })
+        Ok(World { nats, redis, client, js, info_conn, profile, work, durable })
+    }
+
+    /// NATS is a 3-node cluster with R3 streams.
+    pub fn cluster(&self) -> bool {
+        matches!(self.nats, Nats::Cluster(_))
     }
 
     /// What the servers of this run keep; the report says it next to every figure.
-    pub fn durability(&self) -> &'static str {
-        if self.durable { DURABLE } else { VOLATILE }
+    pub fn durability(&self) -> String {
+        match (self.cluster(), self.durable) {
+            (false, true) => DURABLE.into(),
+            (false, false) => VOLATILE.into(),
+            (true, true) => {
+                format!("R3 cluster: {CLUSTER}; Redis appendonly yes + appendfsync always")
+            }
+            (true, false) => format!("R3 cluster: {CLUSTER}; Redis without AOF or snapshots"),
+        }
     }
 
     /// Settings of one system under test: subjects and streams under `prefix`, keys under the
@@ -101,6 +161,9 @@ impl World {
         let mut s = Settings::default();
         s.nats.url = self.nats.url();
         s.nats.prefix = prefix.to_string();
+        if self.cluster() {
+            s.nats.stream_replicas = 3;
+        }
         s.redis.url = format!("{}/{db}", self.redis.url());
         s.redis.namespace = prefix.to_string();
         s.storage.partitions = self.profile.partitions;
@@ -148,9 +211,11 @@ impl World {
         }
     }
 
-    /// CPU seconds of the nats-server child so far (None if it could not be found).
+    /// CPU seconds of the nats-server processes so far, all nodes (None if none was found).
     pub fn nats_cpu(&self) -> Option<f64> {
-        measure::cpu_seconds(self.nats_pid?)
+        let each: Vec<f64> =
+            self.nats.pids().into_iter().filter_map(measure::cpu_seconds).collect();
+        (!each.is_empty()).then(|| each.iter().sum())
     }
 
     pub async fn flush_db(&self, db: u8) -> anyhow::Result<()> {
@@ -222,6 +287,22 @@ mod tests {
         let (sync, aof) = read_back(&nats, &redis).await?;
         assert!(!sync);
         assert_eq!(aof[0], "no");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_cluster_run_has_three_nodes_and_r3_streams() -> anyhow::Result<()> {
+        let work = tempfile::tempdir()?;
+        let profile = Profile::new(true, Some(1000));
+        let world = World::start(profile, work.path().into(), true, true).await?;
+        assert!(world.cluster() && world.durability().starts_with("R3 cluster"));
+        assert_eq!(world.nats.url().split(',').count(), 3);
+        let settings = world.settings("r3", 1);
+        world.provision(&settings).await?;
+        let subjects = shelfsync_bus::Subjects::new("r3");
+        let mut stream = world.js.get_stream(subjects.changes_stream()).await?;
+        assert_eq!(stream.info().await?.config.num_replicas, 3);
+        assert!(world.nats_cpu().is_some(), "CPU of the three nodes");
         Ok(())
     }
 

@@ -163,8 +163,13 @@ impl Report {
         let _ = writeln!(md);
     }
 
-    fn durability_word(&self) -> &'static str {
-        if self.durable { "durable" } else { "volatile" }
+    pub(crate) fn durability_word(&self) -> &'static str {
+        match (self.nats_cluster, self.durable) {
+            (true, true) => "R3 NATS cluster, Redis durable",
+            (true, false) => "R3 NATS cluster, Redis volatile",
+            (false, true) => "durable",
+            (false, false) => "volatile",
+        }
     }
 
     /// shelfsync next to the PostgreSQL peer, the parse floor and how the peer ran.

@@ -152,7 +152,7 @@ impl Report {
     /// peer, both sides durable) and of work proportional to changes.
     fn check_peer_targets(&self, push: &mut impl FnMut(&str, String, Option<bool>)) {
         // Only durable servers are the target's conditions.
-        let judged = |holds: bool| self.durable.then_some(holds);
+        let judged = |holds: bool| (self.durable && !self.nats_cluster).then_some(holds);
         let target = "1% churn re-import ≥ 3× PostgreSQL default (both durable, same run)";
         match self.over_peer(CHURN, "default") {
             Some(r) => push(target, format!("{r:.2}×"), judged(r >= 3.0)),
