@@ -46,24 +46,18 @@ pub async fn measure(world: &World) -> anyhow::Result<StoreFloor> {
 
     let started = Instant::now();
     let js = world.js.clone();
-    futures::stream::iter(0..MESSAGES)
+    let publishes = futures::stream::iter(0..MESSAGES)
         .map(|i| {
             let (js, payload) = (js.clone(), payload.clone());
             async move { js.publish(subject(i), payload).await?.await }
         })
-        .buffer_unordered(IN_FLIGHT)
-        .for_each(|r| {
-            if let Err(e) = r {
-                eprintln!("[bench] store floor: a publish failed: {e}");
-            }
-            async {}
-        })
-        .await;
+        .buffer_unordered(IN_FLIGHT);
+    log_failures(publishes, "a publish").await;
     let single = MESSAGES as f64 / started.elapsed().as_secs_f64();
 
     let started = Instant::now();
     let client = world.client.clone();
-    futures::stream::iter(0..MESSAGES / BATCH)
+    let batches = futures::stream::iter(0..MESSAGES / BATCH)
         .map(|b| {
             let (client, payload) = (client.clone(), payload.clone());
             let messages = (0..BATCH)
@@ -75,14 +69,8 @@ pub async fn measure(world: &World) -> anyhow::Result<StoreFloor> {
                 .collect();
             async move { publish_atomic(&client, messages, Duration::from_secs(30)).await }
         })
-        .buffer_unordered(BATCHES_IN_FLIGHT)
-        .for_each(|r| {
-            if let Err(e) = r {
-                eprintln!("[bench] store floor: an atomic batch failed: {e}");
-            }
-            async {}
-        })
-        .await;
+        .buffer_unordered(BATCHES_IN_FLIGHT);
+    log_failures(batches, "an atomic batch").await;
     let atomic = MESSAGES as f64 / started.elapsed().as_secs_f64();
 
     let stored = stored(&world.js).await?;
@@ -104,6 +92,21 @@ pub async fn measure(world: &World) -> anyhow::Result<StoreFloor> {
         atomic_per_s: atomic,
         batch: BATCH as u64,
     })
+}
+
+/// Runs `results` to the end, logging each failure (the count check after says if any was lost).
+async fn log_failures<T, E: std::fmt::Display>(
+    results: impl futures::Stream<Item = Result<T, E>>,
+    what: &str,
+) {
+    results
+        .for_each(|r| {
+            if let Err(e) = r {
+                eprintln!("[bench] store floor: {what} failed: {e}");
+            }
+            async {}
+        })
+        .await;
 }
 
 async fn stored(js: &jetstream::Context) -> anyhow::Result<u64> {
