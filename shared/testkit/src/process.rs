@@ -167,17 +167,13 @@ impl Drop for Proc {
     }
 }
 
-/// `N` distinct free loopback ports. All listeners are held until every port is chosen, so the
-/// OS cannot hand out the same port twice; the race with other processes after the drop is
-/// accepted and covered by [`START_ATTEMPTS`].
+/// `N` distinct free loopback ports. All listeners are held until every port is chosen, so no
+/// two are the same; the race with other processes after the drop is accepted and covered by
+/// [`START_ATTEMPTS`].
 pub(crate) fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
-    let mut listeners = Vec::with_capacity(N);
+    let list = free_port_list(N)?;
     let mut ports = [0; N];
-    for port in &mut ports {
-        let listener = TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?;
-        *port = listener.local_addr()?.port();
-        listeners.push(listener);
-    }
+    ports.copy_from_slice(&list);
     Ok(ports)
 }
 
@@ -185,9 +181,36 @@ pub(crate) fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
 pub(crate) fn free_port_list(n: usize) -> anyhow::Result<Vec<u16>> {
     let mut listeners = Vec::with_capacity(n);
     for _ in 0..n {
-        listeners.push(TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?);
+        listeners.push(bind_free()?);
     }
     listeners.iter().map(|l| Ok(l.local_addr()?.port())).collect()
+}
+
+/// Servers' ports are chosen below the kernel's ephemeral range (`ip_local_port_range`): the
+/// kernel hands out that range for port 0 and for the local end of every outgoing connection,
+/// so a server killed and restarted on its own port (the fault tests) could find it taken by any
+/// client's connection meanwhile (seen: `bind: address already in use` on a restart). Below it,
+/// only another random pick can take it. Falls back to port 0 where the range starts too low.
+fn bind_free() -> anyhow::Result<TcpListener> {
+    const FLOOR: u16 = 10_000;
+    let low = ephemeral_low();
+    if low >= FLOOR + 1_000 {
+        for _ in 0..256 {
+            let port = FLOOR + (random_u64() % u64::from(low - FLOOR)) as u16;
+            if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+                return Ok(listener);
+            }
+        }
+    }
+    TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default where it cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Random enough for unique names: std's per-process random hash keys over pid, time and a
@@ -212,6 +235,18 @@ pub fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ports_are_distinct_and_below_the_ephemeral_range() {
+        let ports = free_port_list(20).expect("ports");
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), 20, "{ports:?}");
+        if ephemeral_low() >= 11_000 {
+            assert!(ports.iter().all(|&p| (10_000..ephemeral_low()).contains(&p)), "{ports:?}");
+        }
+    }
 
     #[tokio::test]
     async fn a_taken_port_fails_fast_and_is_flagged_for_retry() -> anyhow::Result<()> {
