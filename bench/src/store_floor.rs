@@ -30,12 +30,11 @@ const PAYLOAD: usize = 300;
 const STREAM: &str = "BENCH_STORE_FLOOR";
 
 pub async fn measure(world: &World) -> anyhow::Result<StoreFloor> {
-    let replicas = if world.cluster() { 3 } else { 1 };
     let config = stream::Config {
         name: STREAM.into(),
         subjects: vec!["bench.floor.>".into()],
         storage: stream::StorageType::File,
-        num_replicas: replicas,
+        num_replicas: world.stream_replicas(),
         allow_atomic_publish: true,
         ..Default::default()
     };

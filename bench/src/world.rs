@@ -143,6 +143,14 @@ impl World {
         matches!(self.nats, Nats::Cluster(_))
     }
 
+    /// Replicas of every stream of the run: one per node.
+    pub fn stream_replicas(&self) -> usize {
+        match &self.nats {
+            Nats::One(_) => 1,
+            Nats::Cluster(c) => c.len(),
+        }
+    }
+
     /// What the servers of this run keep; the report says it next to every figure.
     pub fn durability(&self) -> String {
         match (self.cluster(), self.durable) {
@@ -161,9 +169,7 @@ impl World {
         let mut s = Settings::default();
         s.nats.url = self.nats.url();
         s.nats.prefix = prefix.to_string();
-        if self.cluster() {
-            s.nats.stream_replicas = 3;
-        }
+        s.nats.stream_replicas = self.stream_replicas();
         s.redis.url = format!("{}/{db}", self.redis.url());
         s.redis.namespace = prefix.to_string();
         s.storage.partitions = self.profile.partitions;
