@@ -16,7 +16,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use axum::Json;
@@ -38,7 +38,7 @@ use crate::auth::{PushAuth, Refusal};
 use crate::import::{ImportConfig, Importer};
 use crate::metrics;
 use crate::report::ImportError;
-use crate::source::Source;
+use crate::source::{FileSignature, Source};
 
 /// How long running imports may take to finish once shutdown is asked.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
@@ -275,8 +275,8 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, drain: Drain) {
     metrics::poll_interval(&partner.name, every);
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // A file is imported again only when its modification time or size changed.
-    let mut last_file: Option<(Option<SystemTime>, u64)> = None;
+    // A file is imported again only when its signature changed.
+    let mut last_file: Option<FileSignature> = None;
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
@@ -290,17 +290,15 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, drain: Drain) {
             continue;
         };
         let source = Source::parse(&source);
-        let file_sig = match &source {
-            Source::File(path) => {
-                tokio::fs::metadata(path).await.ok().map(|m| (m.modified().ok(), m.len()))
-            }
-            _ => None,
-        };
+        let file = source.file().map(std::path::Path::to_path_buf);
+        let file_sig = FileSignature::of(file.as_deref()).await;
         if file_sig.is_some() && file_sig == last_file {
             debug!(partner = %partner.name, "file unchanged, not imported");
             continue;
         }
         // The importer logs and records the outcome; a failed file is retried.
+        // A file written after the look above differs from `file_sig` and
+        // is read again at the next poll.
         match app.importer.import(&partner, source, None).await {
             Ok(_) => last_file = file_sig,
             Err(ImportError::Busy { holder, .. }) => {

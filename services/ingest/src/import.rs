@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Read};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -50,7 +51,7 @@ use crate::item::{CommandContext, ItemRules, OwnedFields, to_encoded_command, to
 use crate::lease::{Holder, Lease};
 use crate::metrics;
 use crate::report::{HeldSweep, ImportError, ImportReport, ImportStatus, Progress};
-use crate::source::{self, FeedReader, Opened, Source, Validators};
+use crate::source::{self, FeedReader, FileSignature, Opened, Source, Validators};
 use crate::state::{GENERATION_SLOT, State};
 
 mod run;
@@ -290,6 +291,8 @@ impl Importer {
         lease: Option<&Lease>,
     ) -> Result<(), ImportError> {
         let is_url = matches!(source, Source::Url(_));
+        let (what, file) = (source.describe(), source.file().map(Path::to_path_buf));
+        let file_before = FileSignature::of(file.as_deref()).await;
         let known = if is_url {
             self.state.validators(&partner.name).await?
         } else {
@@ -324,6 +327,14 @@ impl Importer {
             report,
         };
         run.pipeline(reader, &self.settings.ingest, progress).await?;
+        // A file written in place while it was read may have been read cut
+        // short: what it was missing must not be swept.
+        if file_before.is_some() && FileSignature::of(file.as_deref()).await != file_before {
+            let detail = "the file changed while it was read (write it elsewhere and rename it \
+                          into place); nothing swept, it is read again at the next import"
+                .into();
+            return Err(ImportError::Source { what, detail });
+        }
         if partner.kind == ImportKind::Full {
             let seen: BTreeSet<i64> = run.places.keys().copied().collect();
             let (generation, forget) =

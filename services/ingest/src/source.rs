@@ -4,8 +4,9 @@
 
 use std::fmt;
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::time::SystemTime;
 
 use futures::TryStreamExt;
 use reqwest::StatusCode;
@@ -41,6 +42,33 @@ impl Source {
             Source::Url(url) => url.clone(),
             Source::Stream(_) => "stream".into(),
         }
+    }
+
+    /// The path of a file source.
+    pub fn file(&self) -> Option<&Path> {
+        match self {
+            Source::File(path) => Some(path),
+            _ => None,
+        }
+    }
+}
+
+/// A file's inode (a file replaced by rename is a new one), modification
+/// time and size: a file whose signature is unchanged was not written.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct FileSignature {
+    inode: u64,
+    modified: Option<SystemTime>,
+    len: u64,
+}
+
+impl FileSignature {
+    /// The signature of the file at `path`; `None` without a path, or for
+    /// a file that cannot be looked at (opening it then says why).
+    pub async fn of(path: Option<&Path>) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = tokio::fs::metadata(path?).await.ok()?;
+        Some(Self { inode: meta.ino(), modified: meta.modified().ok(), len: meta.len() })
     }
 }
 

@@ -266,6 +266,38 @@ async fn a_feed_that_is_not_json_or_is_cut_short_fails_and_sweeps_nothing() -> R
 }
 
 #[tokio::test]
+async fn a_file_written_while_it_is_read_fails_and_sweeps_nothing() -> Result {
+    // A partner that rewrites its feed in place can be read half-way through
+    // a write: an NDJSON feed cut at a line end parses, and what it lacks
+    // would be swept. The file is rewritten while the import reads it.
+    let h = harness(vec![full("flowers")]).await?;
+    let path = h.dir.path().join("feed.ndjson");
+    std::fs::write(&path, "{\"id\":\"a\",\"place_id\":1}\n")?;
+    let rewrite = || {
+        let whole = "{\"id\":\"a\",\"place_id\":1}\n{\"id\":\"b\",\"place_id\":1}\n";
+        std::fs::write(&path, whole).expect("rewritten");
+    };
+    let once = std::sync::Once::new();
+    let progress = |_: &shelfsync_ingest::Progress| once.call_once(rewrite);
+    let flowers = h.settings.partner("flowers").expect("configured");
+    let importer = h.importer().await?;
+    let err = importer
+        .import(flowers, Source::File(path.clone()), Some(&progress))
+        .await
+        .expect_err("the file changed under the import");
+    assert!(once.is_completed(), "the file was rewritten during the import");
+    assert!(err.to_string().contains("changed while it was read"), "{err}");
+    assert!(h.cmd_batches().await?.iter().all(|b| b.2.sweeps.is_empty()), "no sweep");
+    let [report] = importer.reports("flowers", 5).await?.try_into().expect("one report");
+    assert_eq!((report.status, report.sweeps), (ImportStatus::Failed, 0));
+
+    // Read again, whole and unchanged, it imports and sweeps.
+    let r = importer.import(flowers, Source::File(path), None).await?;
+    assert_eq!((r.items, r.sweeps), (2, 1));
+    Ok(())
+}
+
+#[tokio::test]
 async fn http_polling_with_an_unchanged_etag_publishes_nothing() -> Result {
     use axum::http::{HeaderMap, StatusCode, header};
     let h = harness(vec![full("flowers")]).await?;
@@ -356,10 +388,14 @@ async fn the_service_takes_pushed_feeds_and_polls_files_when_they_change() -> Re
         move || async move { reports().await == 1 },
     )
     .await;
+    // Written elsewhere and renamed into place, as OPERATE asks of partners:
+    // a file written in place may be read mid-write, and is read again.
+    let next = h.dir.path().join("polled.json.next");
     std::fs::write(
-        &path,
+        &next,
         r#"{"brand_id":7,"places":[{"place_id":1,"items":[{"id":"a"},{"id":"b"}]}]}"#,
     )?;
+    std::fs::rename(&next, &path)?;
     eventually(
         Duration::from_secs(5),
         "the changed file",
