@@ -102,7 +102,8 @@ KF_READ = [f"$JS.API.STREAM.INFO.{KF}", f"$JS.API.DIRECT.GET.{KF}",
            f"$JS.API.DIRECT.GET.{KF}.{PREFIX}.keyframes.7.42",
            # a feed's drift repair re-reads a place's changes
            f"$JS.API.STREAM.MSG.GET.{CHG}"]
-REC = "recommender-1f2e-18a7c3b2d4e5f607-0"
+# The recommender's consumers: one per running instance, the first free of recommender-0 … -31.
+REC_SLOTS = ["recommender-0", "recommender-31"]
 STREAMS = (CMD, CHG, KF, AGG, REJ)
 # Stream configuration has one writer, admin (`shelfsync setup`): nobody else may create, update
 # or delete a stream; the services that verify it at start may read it.
@@ -188,13 +189,17 @@ MATRIX = {
         sub_no=[f"{PREFIX}.changes.>", *other_inboxes("aggregator")],
     ),
     "recommender": dict(
-        pub_ok=[f"$JS.API.STREAM.INFO.{CHG}", *consumer_api(CHG, REC, CHG_FILTER),
-                f"$JS.API.CONSUMER.DELETE.{CHG}.{REC}", *KF_READ, f"{PREFIX}.ctl.keyframe"],
+        pub_ok=[f"$JS.API.STREAM.INFO.{CHG}", *KF_READ, f"{PREFIX}.ctl.keyframe",
+                *[s for rec in REC_SLOTS for s in [*consumer_api(CHG, rec, CHG_FILTER),
+                                                   f"$JS.API.CONSUMER.DELETE.{CHG}.{rec}"]]],
         pub_no=[f"{PREFIX}.cmd.0", f"{PREFIX}.cmd.0.sweep", f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42",
                 f"{PREFIX}.aggregates.cards.north", *CTL_ADMIN, *READS, *STREAM_WRITES,
                 *consumer_takeover(CHG, "validator", CHG_FILTER),
                 *consumer_takeover(CHG, "aggregator", CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.validator",
                 f"$JS.API.CONSUMER.DELETE.{CHG}.aggregator", *consumer_takeover(CMD, "storage-p0-r0-x", f"{PREFIX}.cmd.0"),
+                # a consumer team's, a name past the slots, any other name: none is its own
+                *[s for other in ["picks", "picks-0", "recommender-32", "recommender", "x"]
+                  for s in [*consumer_api(CHG, other, CHG_FILTER), f"$JS.API.CONSUMER.DELETE.{CHG}.{other}"]],
                 f"$JS.API.STREAM.PURGE.{KF}", "_INBOX.unsolicited"],
         sub_ok=[f"{inbox('recommender')}.x.y", (f"{PREFIX}.recommend.top", "recommender")],
         sub_no=[f"{PREFIX}.changes.>", f"{PREFIX}.read.get", *other_inboxes("recommender")],

@@ -207,3 +207,58 @@ async fn a_repair_keeps_what_changed_between_the_freeze_and_the_marker() {
     replica.assert_equals_storage(&h, BRAND, &[1]).await;
     running.stop().await;
 }
+
+/// With slots, each feed takes the first consumer name no other holds, and
+/// one feed more than there are slots fails with an error that says why.
+#[tokio::test]
+async fn slotted_feeds_take_free_names_and_one_past_the_slots_is_refused_clearly() {
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
+    write(&h, &[1], 10, 100).await;
+    h.wait_settled().await;
+    let slotted = || {
+        let cfg = FeedConfig { slots: 2, ..FeedConfig::new("slot") };
+        ChangeFeed::new(h.client.clone(), &h.settings.nats, cfg)
+    };
+    let (first, second) = (Replica::default(), Replica::default());
+    let running = [
+        RunningFeed::start("slot", slotted(), first.clone()),
+        RunningFeed::start("slot", slotted(), second.clone()),
+    ];
+    for r in &running {
+        eventually(Duration::from_secs(30), "bootstrapped", || async {
+            r.status.is_bootstrapped()
+        })
+        .await;
+    }
+    let stream = h.js.get_stream(h.subjects.changes_stream()).await.expect("stream");
+    let mut names: Vec<String> = futures::StreamExt::collect::<Vec<_>>(stream.consumer_names())
+        .await
+        .into_iter()
+        .map(|n| n.expect("a name"))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["slot-0", "slot-1"]);
+
+    let err = slotted()
+        .run(&mut Replica::default(), std::future::pending())
+        .await
+        .expect_err("no name is free");
+    assert!(err.to_string().contains("slot-0 … slot-1 are held by other instances"), "{err}");
+
+    // Each holds its own consumer: both see every change.
+    write(&h, &[1], 10, 500).await;
+    h.wait_settled().await;
+    let last = stream.clone().info().await.expect("info").state.last_sequence;
+    for r in &running {
+        eventually(Duration::from_secs(20), "every change reached each feed", || async {
+            FeedStatus::get(&r.status.position) >= last
+        })
+        .await;
+    }
+    for replica in [&first, &second] {
+        replica.assert_equals_storage(&h, BRAND, &[1]).await;
+    }
+    for r in running {
+        r.stop().await.delete_consumer().await.expect("deleted");
+    }
+}

@@ -312,6 +312,73 @@ async fn the_picks_template_runs_under_its_team_user() {
     assert!(errors.lock().expect("lock").is_empty(), "violations: {errors:?}");
 }
 
+/// The recommender's NATS user names its consumers one by one too: each
+/// running instance takes the first free of `recommender-0` … `-31`, frees
+/// it when it stops, and may not touch a team's consumer or any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recommenders_take_their_own_consumer_names_and_touch_no_team_consumer() {
+    let prefix = unique_name();
+    let configs = Configs::new();
+    let env = configs.servers(&prefix).await;
+    let mut base = storage_settings(&env);
+    base.recommender.http_listen = "127.0.0.1:0".into();
+    let h = Harness::connect(as_user(&base, "admin")).await.expect("admin sets up the streams");
+    let _storage = InProcessStorage::start(as_user(&base, "storage")).await.expect("storage");
+    h.send(vec![patch(7, 1, "sku-1", &discounted("Roses", 80, 100), 0)]).await.expect("import");
+    h.wait_settled().await;
+    let changes = h.subjects.changes_stream();
+    let (admin, _) = client_as(&env.nats, "admin", &password("admin")).await.expect("admin");
+    let stream = jetstream::new(admin).get_stream(&changes).await.expect("the change stream");
+    let consumers = || {
+        let stream = stream.clone();
+        async move {
+            let mut names: Vec<String> =
+                stream.consumer_names().filter_map(|n| async { n.ok() }).collect().await;
+            names.sort();
+            names
+        }
+    };
+    let base = &base;
+    let start = move || async move {
+        let app = shelfsync_recommender::App::build(as_user(base, "recommender"))
+            .await
+            .expect("recommender builds");
+        let status = app.status();
+        let running = spawn(app);
+        eventually(Duration::from_secs(30), "a recommender bootstrapped", || async {
+            status.is_bootstrapped()
+        })
+        .await;
+        running
+    };
+
+    let first = start().await;
+    let second = start().await;
+    assert_eq!(consumers().await, ["recommender-0", "recommender-1"]);
+    first.stop().await.expect("the first recommender stops");
+    assert_eq!(consumers().await, ["recommender-1"], "a stopped instance frees its name");
+    let third = start().await;
+    assert_eq!(consumers().await, ["recommender-0", "recommender-1"], "the freed name is taken");
+
+    // A team's consumer, or a name that is not one of the slots: refused.
+    let (rec, rec_errors) =
+        client_as(&env.nats, "recommender", &password("recommender")).await.expect("login");
+    let filter = h.subjects.changes_all();
+    for name in ["picks-0", "picks", "recommender-32", "recommender"] {
+        for api in [
+            format!("$JS.API.CONSUMER.CREATE.{changes}.{name}.{filter}"),
+            format!("$JS.API.CONSUMER.INFO.{changes}.{name}"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{changes}.{name}"),
+            format!("$JS.API.CONSUMER.DELETE.{changes}.{name}"),
+        ] {
+            api_refused(&rec, &rec_errors, &api).await;
+        }
+    }
+    second.stop().await.expect("stops");
+    third.stop().await.expect("stops");
+    assert!(consumers().await.is_empty(), "every instance freed its name");
+}
+
 /// A visible, in-stock offer priced below its old price.
 fn discounted(title: &str, price: i64, old_price: i64) -> shelfsync_proto::Product {
     shelfsync_proto::Product { old_price: Some(old_price), ..product(title, price, 5) }

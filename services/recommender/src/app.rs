@@ -4,8 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context;
 use shelfsync_bus::Subjects;
@@ -26,20 +25,19 @@ pub struct App {
     subjects: Subjects,
     http: tokio::net::TcpListener,
     feed: ChangeFeed,
-    feed_name: String,
     api: Api,
     /// The HTTP API's bearer tokens (`None`: open).
     tokens: Option<Arc<shelfsync_service::ApiTokens>>,
 }
 
-/// A durable consumer name of its own for this instance: each instance
-/// rebuilds its index from keyframes and reads every change.
-fn feed_name() -> String {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    format!("recommender-{:x}-{nanos:x}-{seq}", std::process::id())
-}
+/// How many recommender instances may run at once: each takes a consumer
+/// of its own, `recommender-0` … `recommender-31`, the names its NATS user
+/// is granted one by one (compose/nats/nats.conf, k8s/nats/values.yaml).
+/// A stopped instance frees its name; one that died, after an hour.
+pub const CONSUMER_SLOTS: u32 = 32;
+
+/// The consumer names' stem.
+const CONSUMER_STEM: &str = "recommender";
 
 impl App {
     /// Connects to NATS and binds the HTTP listener; starts nothing yet.
@@ -57,24 +55,15 @@ impl App {
             r.read_tokens_env.as_deref(),
         )?;
         let http = shelfsync_service::bind(&settings.recommender.http_listen).await?;
-        let feed_name = feed_name();
         let cfg = FeedConfig {
-            metric_label: "recommender".into(),
+            slots: CONSUMER_SLOTS,
             keyframe_responders: settings.topology().storage_replicas,
-            ..FeedConfig::new(&feed_name)
+            ..FeedConfig::new(CONSUMER_STEM)
         };
         let feed = ChangeFeed::new(client.clone(), &settings.nats, cfg);
         let api =
             Api::new(SharedIndex::default(), feed.status(), Limits::from(&settings.recommender));
-        Ok(App {
-            client,
-            subjects: Subjects::new(&settings.nats.prefix),
-            http,
-            feed,
-            feed_name,
-            api,
-            tokens,
-        })
+        Ok(App { client, subjects: Subjects::new(&settings.nats.prefix), http, feed, api, tokens })
     }
 
     /// Where the HTTP API listens (useful with port 0).
@@ -99,11 +88,11 @@ impl Service for App {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let App { client, subjects, http, mut feed, feed_name, api, tokens } = self;
+        let App { client, subjects, http, mut feed, api, tokens } = self;
         info!(
             http = %http.local_addr().map_or_else(|e| e.to_string(), |a| a.to_string()),
             subject = %subjects.recommend_top(),
-            feed = %feed_name,
+            slots = CONSUMER_SLOTS,
             "recommender starting"
         );
         let drain = Drain::new();
@@ -118,6 +107,15 @@ impl Service for App {
         let result = run_feed(&mut feed, &mut handler, &api, &drain, shutdown).await;
         api.stop();
         drain.start();
+        // The consumer is this instance's only (the next start bootstraps
+        // anew): deleting it frees its name for another instance.
+        match tokio::time::timeout(Duration::from_secs(5), feed.delete_consumer()).await {
+            Ok(Ok(())) => info!(consumer = %feed.name(), "consumer deleted, its name is free"),
+            Ok(Err(e)) => warn!(error = %e, "the consumer is left to expire"),
+            Err(_) => {
+                warn!(consumer = %feed.name(), "deleting the consumer timed out; it is left to expire")
+            }
+        }
         let _ = nats_task.await;
         let served = http_task.await.context("HTTP task panicked")?;
         shelfsync_bus::close(&client).await;

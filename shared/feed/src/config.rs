@@ -20,8 +20,15 @@ pub enum Bootstrap {
 #[derive(Debug, Clone)]
 pub struct FeedConfig {
     /// Durable consumer name: one per service (and per instance when
-    /// bootstrapping from keyframes).
+    /// bootstrapping from keyframes). With `slots`, the names' stem.
     pub name: String,
+    /// 0: the consumer is `name`. N > 0: each instance takes the first of
+    /// `<name>-0` … `<name>-<N-1>` that no consumer holds yet, so that its
+    /// NATS user can be granted exactly those names (NATS permissions
+    /// cannot say "names starting with"); a stopped instance frees its own
+    /// ([`crate::ChangeFeed::delete_consumer`]), one that died after the
+    /// consumer's hour unused.
+    pub slots: u32,
     /// The `consumer` label of the feed's lag metric: the same after a
     /// restart, unlike a per-instance `name` (the service's name then).
     pub metric_label: String,
@@ -45,6 +52,7 @@ impl FeedConfig {
         Self {
             metric_label: name.clone(),
             name,
+            slots: 0,
             brand: None,
             place: None,
             bootstrap: Bootstrap::Keyframe,

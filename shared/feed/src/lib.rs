@@ -64,6 +64,8 @@ pub struct ChangeFeed {
     js: jetstream::Context,
     subjects: Subjects,
     cfg: FeedConfig,
+    /// The slot this instance holds, with [`FeedConfig::slots`].
+    held: Option<String>,
     state: FeedState,
     status: Arc<FeedStatus>,
 }
@@ -78,6 +80,7 @@ impl ChangeFeed {
             client,
             subjects: Subjects::new(&nats.prefix),
             cfg,
+            held: None,
             state: FeedState::default(),
             status: Arc::default(),
         }
@@ -87,23 +90,28 @@ impl ChangeFeed {
         self.status.clone()
     }
 
-    /// The durable consumer's name.
+    /// The durable consumer's name (with slots: the stem until one is
+    /// taken, at the first run).
     pub fn name(&self) -> &str {
-        &self.cfg.name
+        self.held.as_deref().unwrap_or(&self.cfg.name)
     }
 
     /// Deletes the feed's durable consumer, when it is this instance's own
     /// and the instance stops for good (a name that is never used again:
     /// nothing is left behind for the server to expire). One that is gone
-    /// already is no error. A feed run after this starts from new changes
-    /// only: never call it on a consumer that replicas share.
+    /// already is no error, nor one with slots that never took one. A feed
+    /// run after this starts from new changes only: never call it on a
+    /// consumer that replicas share.
     pub async fn delete_consumer(&self) -> Result<(), FeedError> {
+        if self.cfg.slots > 0 && self.held.is_none() {
+            return Ok(());
+        }
         let err = |e: &dyn std::fmt::Display| {
-            FeedError::Nats(format!("deleting consumer {}: {e}", self.cfg.name))
+            FeedError::Nats(format!("deleting consumer {}: {e}", self.name()))
         };
         let stream =
             self.js.get_stream(self.subjects.changes_stream()).await.map_err(|e| err(&e))?;
-        match stream.delete_consumer(&self.cfg.name).await {
+        match stream.delete_consumer(self.name()).await {
             Ok(_) => Ok(()),
             Err(e) if is_consumer_not_found(&e) => Ok(()),
             Err(e) => Err(err(&e)),
@@ -131,7 +139,7 @@ impl ChangeFeed {
         let consumer = self.consumer(start).await?;
         self.status.bootstrapped.store(true, Ordering::SeqCst);
         info!(
-            feed = %self.cfg.name,
+            feed = %self.name(),
             records = self.state.len(),
             places = self.state.places(),
             start = ?start,
@@ -164,7 +172,7 @@ impl ChangeFeed {
                 m = messages.next() => match m {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
-                        warn!(feed = %self.cfg.name, error = %chain(&e), "pull failed; retrying");
+                        warn!(feed = %self.name(), error = %chain(&e), "pull failed; retrying");
                         tokio::time::sleep(Duration::from_millis(200)).await;
                         continue;
                     }
@@ -183,7 +191,7 @@ impl ChangeFeed {
         let reader = KeyframeReader::new(&self.js, self.subjects.clone()).await?;
         let mut places = reader.places(self.cfg.brand, self.cfg.place).await?;
         if places.is_empty() && self.cfg.request_keyframe_if_missing {
-            info!(feed = %self.cfg.name, "no keyframe yet: asking storage for one");
+            info!(feed = %self.name(), "no keyframe yet: asking storage for one");
             let place = self.cfg.brand.zip(self.cfg.place).map(PlaceKey::from);
             shelfsync_bus::request_keyframe(
                 &self.client,
@@ -234,7 +242,7 @@ impl ChangeFeed {
     }
 
     async fn consumer(
-        &self,
+        &mut self,
         start: Option<u64>,
     ) -> Result<consumer::Consumer<consumer::pull::Config>, FeedError> {
         let stream = self
@@ -243,7 +251,7 @@ impl ChangeFeed {
             .await
             .map_err(|e| FeedError::Nats(format!("changes stream: {e}")))?;
         let mut config = consumer::pull::Config {
-            durable_name: Some(self.cfg.name.clone()),
+            durable_name: Some(self.name().to_string()),
             filter_subject: self.subjects.changes_filter(self.cfg.brand, self.cfg.place),
             ack_policy: consumer::AckPolicy::Explicit,
             ack_wait: self.cfg.ack_wait,
@@ -251,12 +259,9 @@ impl ChangeFeed {
             ..Default::default()
         };
         let err =
-            |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.cfg.name));
+            |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.name()));
         match start {
             Some(seq) => {
-                // State is rebuilt from keyframes at every start: the old
-                // position means nothing now.
-                let _ = stream.delete_consumer(&self.cfg.name).await;
                 config.deliver_policy = if seq == 0 {
                     consumer::DeliverPolicy::All
                 } else {
@@ -264,6 +269,15 @@ impl ChangeFeed {
                 };
                 // An instance that disappears leaves no consumer behind.
                 config.inactive_threshold = Duration::from_secs(3600);
+                // State is rebuilt from keyframes at every start: the old
+                // position means nothing now.
+                if self.cfg.slots > 0 {
+                    if let Some(held) = self.held.take() {
+                        let _ = stream.delete_consumer(&held).await;
+                    }
+                    return self.claim(&stream, config).await;
+                }
+                let _ = stream.delete_consumer(self.name()).await;
                 stream.create_consumer(config).await.map_err(|e| err(&e))
             }
             None => {
@@ -271,9 +285,46 @@ impl ChangeFeed {
                 if self.cfg.bootstrap == Bootstrap::Keyframe {
                     config.inactive_threshold = Duration::from_secs(3600);
                 }
-                stream.get_or_create_consumer(&self.cfg.name, config).await.map_err(|e| err(&e))
+                if self.cfg.slots > 0 && self.held.is_none() {
+                    return self.claim(&stream, config).await;
+                }
+                stream.get_or_create_consumer(self.name(), config).await.map_err(|e| err(&e))
             }
         }
+    }
+
+    /// Creates the consumer under the first of the config's slot names
+    /// that no consumer holds, and keeps it as this instance's.
+    async fn claim(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        mut config: consumer::pull::Config,
+    ) -> Result<consumer::Consumer<consumer::pull::Config>, FeedError> {
+        use jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists;
+        // The server hands back an existing consumer whose configuration is
+        // the one asked for: one of this instance's own makes every
+        // instance's differ, so that a held name is refused.
+        config.description = Some(instance_tag());
+        let stem = self.cfg.name.clone();
+        for slot in 0..self.cfg.slots {
+            let name = format!("{stem}-{slot}");
+            config.durable_name = Some(name.clone());
+            match stream.create_consumer_strict(config.clone()).await {
+                Ok(consumer) => {
+                    self.held = Some(name);
+                    return Ok(consumer);
+                }
+                Err(e) if e.kind() == AlreadyExists => continue,
+                Err(e) => return Err(FeedError::Nats(format!("consumer {name}: {e}"))),
+            }
+        }
+        Err(FeedError::Nats(format!(
+            "all {n} consumer names {stem}-0 … {stem}-{last} are held by other instances (a \
+             stopped instance frees its own, one that died after an hour unused): more \
+             instances than slots, or `nats consumer rm` the dead ones",
+            n = self.cfg.slots,
+            last = self.cfg.slots - 1,
+        )))
     }
 
     async fn handle<H: Handler>(&mut self, msg: jetstream::Message, handler: &mut H) {
@@ -285,8 +336,8 @@ impl ChangeFeed {
             "feed.process",
             self.subjects.template(&msg.subject),
             msg.subject,
-            self.cfg.name,
-            feed = %self.cfg.name,
+            self.name(),
+            feed = %self.name(),
             shelfsync.change_count = tracing::field::Empty,
         );
         shelfsync_telemetry::set_parent(
@@ -297,11 +348,11 @@ impl ChangeFeed {
         let ack = match result {
             Ok(()) => msg.ack().await,
             Err(HandlerError::Transient(e)) => {
-                warn!(feed = %self.cfg.name, error = %e, "handler failed; will retry");
+                warn!(feed = %self.name(), error = %e, "handler failed; will retry");
                 msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await
             }
             Err(HandlerError::Poison(e)) => {
-                warn!(feed = %self.cfg.name, subject = %msg.subject, error = %e, "poison message dropped");
+                warn!(feed = %self.name(), subject = %msg.subject, error = %e, "poison message dropped");
                 self.status.poison.fetch_add(1, Ordering::Relaxed);
                 msg.ack_with(AckKind::Term).await
             }
@@ -326,7 +377,7 @@ impl ChangeFeed {
             self.status.keyframe_checks.fetch_add(1, Ordering::Relaxed);
             if let Check::Drift { ours, theirs } = self.state.check(place, mark) {
                 warn!(
-                    feed = %self.cfg.name, brand_id = place.brand_id, place_id = place.place_id,
+                    feed = %self.name(), brand_id = place.brand_id, place_id = place.place_id,
                     ours = ?ours, keyframe = ?theirs, keyframe_id = %mark.keyframe_id,
                     "place drifted from its keyframe: resyncing"
                 );
@@ -403,7 +454,7 @@ impl ChangeFeed {
             // Replaced by a newer keyframe (its own marker comes later), or
             // never completed: the next keyframe repairs the place.
             warn!(
-                feed = %self.cfg.name, brand_id = place.brand_id, place_id = place.place_id,
+                feed = %self.name(), brand_id = place.brand_id, place_id = place.place_id,
                 keyframe_id = %mark.keyframe_id,
                 "keyframe of the marker not found complete; the place stays as it is"
             );
@@ -468,6 +519,15 @@ impl ChangeFeed {
 }
 
 /// True when JetStream says the consumer does not exist.
+/// This process, for a consumer's description: host, pid and start time.
+fn instance_tag() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("instance {host} pid {} at {nanos}", std::process::id())
+}
+
 fn is_consumer_not_found(e: &jetstream::stream::ConsumerError) -> bool {
     matches!(
         e.kind(),
