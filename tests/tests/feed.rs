@@ -94,6 +94,13 @@ async fn a_consumer_that_missed_changes_is_repaired_at_the_next_keyframe() {
 
     let replica = Replica::default();
     let running = start_bootstrapped_feed(&h, "test-drift", replica.clone()).await;
+    // The bootstrap keyframe's markers handled before the pause: one pulled
+    // but not handled when the feed stops would come back only after the
+    // ack wait (30 s).
+    eventually(Duration::from_secs(10), "the bootstrap's markers checked", || async {
+        FeedStatus::get(&running.status.keyframe_checks) >= 2
+    })
+    .await;
 
     // Lose messages before the consumer sees them: pause the feed, write,
     // and delete the new change messages from the stream.
