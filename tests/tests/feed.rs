@@ -269,3 +269,53 @@ async fn slotted_feeds_take_free_names_and_one_past_the_slots_is_refused_clearly
         r.stop().await.delete_consumer().await.expect("deleted");
     }
 }
+
+/// A replica that stops hands back what it had pulled and not handled: the
+/// replicas sharing its consumer get it at once, not after the ack wait.
+#[tokio::test]
+async fn a_stopping_replica_hands_back_the_messages_it_holds() {
+    let Stack { h, storage: _storage, env: _env, .. } = Stack::start().await;
+    let shared = || {
+        let cfg = FeedConfig {
+            bootstrap: shelfsync_feed::Bootstrap::Resume,
+            ack_wait: Duration::from_secs(120),
+            ..FeedConfig::new("shared")
+        };
+        ChangeFeed::new(h.client.clone(), &h.settings.nats, cfg)
+    };
+    let (first, second) = (Replica::default(), Replica::default());
+    let running = RunningFeed::start("shared", shared(), first.clone());
+    eventually(Duration::from_secs(30), "the consumer created", || async {
+        running.status.is_bootstrapped()
+    })
+    .await;
+    // The first replica's handler hangs while 40 change messages arrive.
+    let paused = first.pause.clone().write_owned().await;
+    let places: Vec<i64> = (1..=40).collect();
+    write(&h, &places, 1, 100).await;
+    h.wait_settled().await;
+    let stream = h.js.get_stream(h.subjects.changes_stream()).await.expect("stream");
+    eventually(Duration::from_secs(10), "the messages pulled by the first replica", || async {
+        let info = stream.clone().consumer_info("shared").await.expect("consumer");
+        info.num_ack_pending >= 20
+    })
+    .await;
+    let stopping = tokio::spawn(running.stop());
+    drop(paused);
+    stopping.await.expect("the first replica stops");
+    let handled = first.records.lock().expect("lock").len();
+    assert!(handled < 40, "the first replica held messages it did not handle ({handled})");
+
+    // Well inside the ack wait, the second replica has the rest.
+    let running = RunningFeed::start("shared", shared(), second.clone());
+    eventually(Duration::from_secs(20), "every change handled by one replica or the other", || {
+        let (first, second) = (first.clone(), second.clone());
+        async move {
+            let mut all = first.records.lock().expect("lock").clone();
+            all.extend(second.records.lock().expect("lock").clone());
+            all.len() == 40
+        }
+    })
+    .await;
+    running.stop().await;
+}

@@ -15,7 +15,8 @@
 //! - **acks after** the handler succeeded; a [`HandlerError::Transient`]
 //!   naks with a delay, a [`HandlerError::Poison`] terminates the message;
 //! - stops cleanly when the shutdown future resolves (the batch in hand is
-//!   finished and acked);
+//!   finished and acked, what was pulled and not handled is nak'd for the
+//!   replicas sharing the consumer);
 //! - **traces and measures**: each change message is handled in a CONSUMER
 //!   span `process <subject>` (`feed.process`) continuing the trace in its
 //!   headers, and feeds `shelfsync_freshness_seconds{stage="consumer"}`,
@@ -41,7 +42,7 @@ use std::time::Duration;
 use shelfsync_telemetry::{chain, names};
 
 use async_nats::jetstream::{self, AckKind, consumer};
-use futures::StreamExt;
+use futures::{FutureExt as _, StreamExt};
 use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::{ChangeBatch, KeyframeMark};
@@ -182,6 +183,16 @@ impl ChangeFeed {
             self.handle(msg, handler).await;
         }
         sampler.abort();
+        // What was pulled but not handled goes back at once: another
+        // replica, or this feed run again, gets it now, not after the ack
+        // wait.
+        let mut returned = 0;
+        while let Some(Some(Ok(msg))) = messages.next().now_or_never() {
+            if msg.ack_with(AckKind::Nak(None)).await.is_ok() {
+                returned += 1;
+            }
+        }
+        debug!(feed = %self.name(), returned, "stopped; messages in hand handed back");
         Ok(())
     }
 
