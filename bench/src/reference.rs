@@ -141,7 +141,7 @@ async fn partition_loop(ctx: Arc<Ctx>, partition: Partition) -> anyhow::Result<(
             intake.next().await?;
         }
         intake.take_ready(64);
-        let up = intake.up(&stream).await?;
+        let up = intake.up(&stream).await.map_err(|e| anyhow::anyhow!(e))?;
         if up == Up::Wait {
             intake.next().await?;
             continue;

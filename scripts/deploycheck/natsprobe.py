@@ -149,11 +149,11 @@ MATRIX = {
     ),
     "storage": dict(
         # Its consumers of CMD go without acks: it purges what it applied, and asks the stream
-        # what comes next on a subject (a direct get).
+        # what comes next on a subject (a direct get; the leader, MSG.GET, when replicated).
         pub_ok=[*STREAM_INFOS, *consumer_api(CMD, "storage-p5-r0-x", f"{PREFIX}.cmd.5")[:3],
                 *consumer_api(CMD, "storage-p5-r0-x-sweeps", f"{PREFIX}.cmd.5.sweep")[:3],
                 f"$JS.API.CONSUMER.DELETE.{CMD}.storage-p5-r0-x", f"$JS.API.STREAM.PURGE.{CMD}",
-                f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.DIRECT.GET.{CMD}",
+                f"$JS.API.STREAM.PURGE.{KF}", f"$JS.API.DIRECT.GET.{CMD}", f"$JS.API.STREAM.MSG.GET.{CMD}",
                 f"{PREFIX}.changes.7.42", f"{PREFIX}.keyframes.7.42", f"{PREFIX}.rejects.7.42"],
         pub_no=[f"{PREFIX}.cmd.5", f"{PREFIX}.cmd.5.sweep", f"{PREFIX}.aggregates.cards.north",
                 f"{PREFIX}.ctl.keyframe", *CTL_ADMIN, *READS, *STREAM_WRITES, "$JS.API.INFO",

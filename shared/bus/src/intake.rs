@@ -16,7 +16,7 @@
 //! tombstone — and an fsync — each (docs/PERFORMANCE.md).
 //!
 //! The two subjects are applied in stream order: the next message is the
-//! lowest sequence of the two, once the server confirms (a direct get of the
+//! lowest sequence of the two, once the server confirms (a get of the
 //! other subject's next message) that no lower one of the other subject is
 //! still on its way. A message that fails is kept and tried again in place,
 //! never skipped: the next one waits behind it.
@@ -28,7 +28,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer::pull, stream::DirectGetErrorKind};
+use async_nats::jetstream::stream::{DirectGetErrorKind, RawMessageErrorKind};
+use async_nats::jetstream::{self, consumer::pull};
 use futures::{FutureExt, StreamExt};
 
 /// Messages and bytes one pull brings at most: bounded memory per
@@ -41,6 +42,9 @@ const PURGE_EVERY: Duration = Duration::from_millis(250);
 /// An owner's consumers outlive a process gone without removing them this
 /// long (a live one pulls every few seconds).
 const INACTIVE_THRESHOLD: Duration = Duration::from_secs(60);
+
+/// Why the server could not say what comes next.
+pub type NextError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One message pulled and not applied yet.
 pub struct Pulled {
@@ -65,6 +69,7 @@ pub enum Up {
 /// One of the partition's subjects: its consumer and what it pulled.
 struct Feed {
     subject: String,
+    consumer: jetstream::consumer::PullConsumer,
     messages: pull::Stream,
     buffer: VecDeque<Pulled>,
     /// Messages of it were applied since its last purge.
@@ -76,6 +81,18 @@ impl Feed {
         if let Ok(info) = msg.info() {
             let seq = info.stream_sequence;
             self.buffer.push_back(Pulled { msg, seq, attempts: 0 });
+        }
+    }
+
+    /// A pull stream that failed is replaced with a new one, which asks
+    /// again: async-nats keeps counting the failed request's messages as
+    /// on their way and asks no more (a first pull that met no responders,
+    /// the consumer's interest not yet across a cluster's routes, left a
+    /// partition idle until it was bound again, 12 s later).
+    async fn pull_again(&mut self) {
+        match pull(&self.consumer).await {
+            Ok(messages) => self.messages = messages,
+            Err(e) => tracing::debug!(subject = %self.subject, error = %e, "cannot pull again yet"),
         }
     }
 
@@ -108,9 +125,8 @@ pub struct Intake {
 fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config {
     pull::Config {
         description: Some(format!("shelfsync storage, {subject}")),
-        // Durable, so that it is replicated like the stream (it survives the
-        // loss of a node of a cluster), and removed by the server once its
-        // owner is gone for `INACTIVE_THRESHOLD`.
+        // Durable, so that it is removed by the server once its owner is
+        // gone for `INACTIVE_THRESHOLD`.
         durable_name: Some(name),
         filter_subject: subject,
         deliver_policy: match applied {
@@ -119,8 +135,15 @@ fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config 
         },
         ack_policy: jetstream::consumer::AckPolicy::None,
         inactive_threshold: INACTIVE_THRESHOLD,
-        // Nothing rests on its state: the position is Redis's.
+        // Nothing rests on its state: the position is Redis's. So it is
+        // kept in memory and not replicated, on a cluster too: a replicated
+        // consumer is a Raft group of its own, whose election after the
+        // create left the first pulls unanswered for seconds (64 partitions
+        // bound at once on R3: 16 s for an import of 1 s), and which
+        // replicates every delivery. Lost with its node, it is bound again
+        // at the applied sequence + 1 (the worker rebinds on failed pulls).
         memory_storage: true,
+        num_replicas: 1,
         ..Default::default()
     }
 }
@@ -158,29 +181,33 @@ impl Intake {
         subjects: [String; 2],
         applied: u64,
     ) -> Result<Intake, BindError> {
-        let mut consumers = Vec::with_capacity(2);
-        for (name, subject) in names.into_iter().zip(subjects.clone()) {
+        let create = |name: String, subject: String| async move {
             // Not there is the usual case; anything else shows at the create.
             let _ = stream.delete_consumer(&name).await;
             let config = consumer_config(name.clone(), subject, applied);
-            let consumer = stream
+            stream
                 .create_consumer(config)
                 .await
-                .map_err(|source| BindError::Create { name, source })?;
-            consumers.push(consumer);
-        }
+                .map_err(|source| BindError::Create { name, source })
+        };
+        let [command_name, sweep_name] = names;
         let [commands, sweeps] = subjects;
-        let feed = |subject, messages| Feed {
+        let command_consumer = create(command_name, commands.clone()).await?;
+        let sweep_consumer = create(sweep_name, sweeps.clone()).await?;
+        let feed = |subject, consumer, messages| Feed {
             subject,
+            consumer,
             messages,
             buffer: VecDeque::new(),
             // What an earlier owner applied may not have been purged (it
             // stopped in between): purged at the first chance.
             dirty: true,
         };
+        let (command_messages, sweep_messages) =
+            (pull(&command_consumer).await?, pull(&sweep_consumer).await?);
         Ok(Intake {
-            commands: feed(commands, pull(&consumers[0]).await?),
-            sweeps: feed(sweeps, pull(&consumers[1]).await?),
+            commands: feed(commands, command_consumer, command_messages),
+            sweeps: feed(sweeps, sweep_consumer, sweep_messages),
             applied,
             last_purge: Instant::now(),
         })
@@ -191,21 +218,30 @@ impl Intake {
     }
 
     /// Waits for the next message of either subject and keeps it.
+    /// A pull that failed is asked again before the error is returned.
     pub async fn next(&mut self) -> Result<(), pull::MessagesError> {
         let (commands, sweeps) = (&mut self.commands, &mut self.sweeps);
-        tokio::select! {
+        let failed = tokio::select! {
             m = commands.messages.next() => match m {
-                Some(Ok(msg)) => commands.push(msg),
-                Some(Err(e)) => return Err(e),
-                None => std::future::pending::<()>().await,
+                Some(Ok(msg)) => {
+                    commands.push(msg);
+                    return Ok(());
+                }
+                Some(Err(e)) => (commands, e),
+                None => std::future::pending().await,
             },
             m = sweeps.messages.next() => match m {
-                Some(Ok(msg)) => sweeps.push(msg),
-                Some(Err(e)) => return Err(e),
-                None => std::future::pending::<()>().await,
+                Some(Ok(msg)) => {
+                    sweeps.push(msg);
+                    return Ok(());
+                }
+                Some(Err(e)) => (sweeps, e),
+                None => std::future::pending().await,
             },
-        }
-        Ok(())
+        };
+        let (feed, e) = failed;
+        feed.pull_again().await;
+        Err(e)
     }
 
     /// Takes in what has been pulled already, without waiting.
@@ -216,20 +252,28 @@ impl Intake {
 
     /// What comes next in stream order. With messages of one subject only
     /// in hand, the server says whether one of the other subject comes
-    /// before them (a direct get: a message stored later has a higher
-    /// sequence than every one in hand).
-    pub async fn up(
-        &self,
-        stream: &jetstream::stream::Stream,
-    ) -> Result<Up, jetstream::stream::DirectGetError> {
+    /// before them (a message stored later has a higher sequence than every
+    /// one in hand). A replicated stream is asked through its leader: a
+    /// follower answers direct gets and may not have the newest message yet.
+    pub async fn up(&self, stream: &jetstream::stream::Stream) -> Result<Up, NextError> {
         let after = self.applied + 1;
+        let replicated = stream.cached_info().config.num_replicas > 1;
         let next_of = |subject: &str| {
             let subject = subject.to_string();
             async move {
+                if replicated {
+                    let asked =
+                        stream.raw_message_builder().sequence(after).next_by_subject(subject);
+                    return match asked.send().await {
+                        Ok(m) => Ok(Some(m.sequence)),
+                        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
+                        Err(e) => Err(NextError::from(e)),
+                    };
+                }
                 match stream.direct_get_next_for_subject(subject, Some(after)).await {
                     Ok(m) => Ok(Some(m.sequence)),
                     Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(e),
+                    Err(e) => Err(NextError::from(e)),
                 }
             }
         };

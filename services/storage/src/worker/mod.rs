@@ -405,7 +405,7 @@ impl Worker {
                         self.purge_applied(&mut intake, &stream).await;
                     }
                     Err(e) => {
-                        warn!(partition = %self.partition, error = %chain(&e), "cannot tell what comes next; retrying");
+                        warn!(partition = %self.partition, error = %chain(&*e), "cannot tell what comes next; retrying");
                         retry_at = Some(Instant::now() + self.backoff(1));
                     }
                 }
