@@ -32,6 +32,8 @@ use async_nats::jetstream::stream::{DirectGetErrorKind, RawMessageErrorKind};
 use async_nats::jetstream::{self, consumer::pull};
 use futures::{FutureExt, StreamExt};
 
+/// How long a bind waits for a new consumer's leader at most.
+const LEADER_WAIT: Duration = Duration::from_secs(10);
 /// Messages and bytes one pull brings at most: bounded memory per
 /// partition, and enough to commit many together under load.
 const PULL_MESSAGES: usize = 64;
@@ -135,16 +137,30 @@ fn consumer_config(name: String, subject: String, applied: u64) -> pull::Config 
         },
         ack_policy: jetstream::consumer::AckPolicy::None,
         inactive_threshold: INACTIVE_THRESHOLD,
-        // Nothing rests on its state: the position is Redis's. So it is
-        // kept in memory and not replicated, on a cluster too: a replicated
-        // consumer is a Raft group of its own, whose election after the
-        // create left the first pulls unanswered for seconds (64 partitions
-        // bound at once on R3: 16 s for an import of 1 s), and which
-        // replicates every delivery. Lost with its node, it is bound again
-        // at the applied sequence + 1 (the worker rebinds on failed pulls).
+        // Nothing rests on its state: the position is Redis's. It is still
+        // replicated like the stream, so that it outlives the loss of a
+        // node: an unreplicated one lost with its node left its partition
+        // waiting until a rebind, which timed out while the cluster was one
+        // node short (tests/tests/cluster.rs).
         memory_storage: true,
-        num_replicas: 1,
         ..Default::default()
+    }
+}
+
+/// On a cluster, a consumer just created answers pulls once its own Raft
+/// group has elected a leader: a pull sent before meets no responders, or
+/// nobody (bounded; a pull that fails is asked again anyway).
+async fn wait_for_leader(consumer: &mut jetstream::consumer::PullConsumer) {
+    let deadline = Instant::now() + LEADER_WAIT;
+    loop {
+        let elected = match consumer.info().await {
+            Ok(info) => info.cluster.as_ref().is_none_or(|c| c.leader.is_some()),
+            Err(_) => false,
+        };
+        if elected || Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -185,10 +201,12 @@ impl Intake {
             // Not there is the usual case; anything else shows at the create.
             let _ = stream.delete_consumer(&name).await;
             let config = consumer_config(name.clone(), subject, applied);
-            stream
+            let mut consumer = stream
                 .create_consumer(config)
                 .await
-                .map_err(|source| BindError::Create { name, source })
+                .map_err(|source| BindError::Create { name, source })?;
+            wait_for_leader(&mut consumer).await;
+            Ok::<_, BindError>(consumer)
         };
         let [command_name, sweep_name] = names;
         let [commands, sweeps] = subjects;
