@@ -27,6 +27,9 @@ use crate::world::{BRAND, World};
 /// `updated_at`), reached the handler, was in the index (µs).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sample {
+    /// The load's run (its changes' import id is `live-<run>`): a change of
+    /// an earlier run still on its way counts for none of the later ones.
+    run: Option<u64>,
     pub(crate) published: i64,
     applied: i64,
     arrived: i64,
@@ -48,6 +51,7 @@ impl Handler for TimedIndex {
         for u in updates {
             if let Some(o) = u.origin.as_ref().filter(|o| o.source == LOAD_SOURCE) {
                 samples.push(Sample {
+                    run: o.import_id.strip_prefix("live-").and_then(|r| r.parse().ok()),
                     published: o.published_at,
                     applied: u.after.updated_at,
                     arrived,
@@ -106,12 +110,14 @@ impl Consumer {
         Ok((consumer, started.elapsed()))
     }
 
-    fn take_samples(&self) -> Vec<Sample> {
-        std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()))
+    /// The samples of `run`; those of other runs are dropped.
+    fn take_samples(&self, run: u64) -> Vec<Sample> {
+        let all = std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()));
+        all.into_iter().filter(|s| s.run == Some(run)).collect()
     }
 
-    fn sample_count(&self) -> usize {
-        self.samples.lock().map_or(0, |s| s.len())
+    fn sample_count(&self, run: u64) -> usize {
+        self.samples.lock().map_or(0, |s| s.iter().filter(|s| s.run == Some(run)).count())
     }
 
     pub async fn stop(mut self) {
@@ -238,7 +244,7 @@ pub async fn run(
     let cpu = cpu.cores_since(world, storage);
     let sent = load.stop().await?;
     let ended = now_us();
-    let samples = drain(&consumer, sent).await;
+    let samples = drain(&consumer, sent, 1).await;
     let warmup = (p.fresh_run.as_micros() as i64 / 4).min(1_000_000);
     let mut baseline = freshness(
         "without a keyframe",
@@ -271,7 +277,7 @@ pub async fn run(
         tokio::time::sleep(p.keyframe_margin).await;
         let sent = load.stop().await?;
         let mut run = run?;
-        let samples = drain(&consumer, sent).await;
+        let samples = drain(&consumer, sent, 2).await;
         // Every sample (publish time, latency, µs) for a look at when the
         // slow ones happened (docs/PERFORMANCE.md, "Reproduce").
         if let Ok(path) = std::env::var("SHELFSYNC_BENCH_DUMP") {
@@ -314,7 +320,7 @@ pub async fn run(
         tokio::time::sleep(p.keyframe_margin).await;
         let sent = load.stop().await?;
         let mut run = run?;
-        let samples = drain(&consumer, sent).await;
+        let samples = drain(&consumer, sent, 4).await;
         let during = freshness(
             "during a place-by-place keyframe",
             p.fresh_rate,
@@ -377,12 +383,12 @@ impl CpuSnapshot {
 }
 
 /// Waits (at most 60 s) until every published change was timed; returns the samples.
-pub(crate) async fn drain(consumer: &Consumer, sent: u64) -> Vec<Sample> {
+pub(crate) async fn drain(consumer: &Consumer, sent: u64, run: u64) -> Vec<Sample> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while (consumer.sample_count() as u64) < sent && Instant::now() < deadline {
+    while (consumer.sample_count(run) as u64) < sent && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    consumer.take_samples()
+    consumer.take_samples(run)
 }
 
 /// Latencies of the samples published in `[from, to]` µs.
@@ -424,6 +430,7 @@ mod tests {
     fn freshness_splits_each_sample_where_storage_applied_it() {
         // Published at t, applied 2 ms later, handed over 5 ms after, indexed 1 ms after that.
         let at = |t: i64| Sample {
+            run: Some(1),
             published: t,
             applied: t + 2_000,
             arrived: t + 7_000,

@@ -74,7 +74,7 @@ async fn measure(
     tokio::time::sleep(length).await;
     let ended = now_us();
     let sent = load.stop().await?;
-    let samples = drain(consumer, sent).await;
+    let samples = drain(consumer, sent, run_id).await;
     let cpu = cpu.cores_since(world, storage);
     let warmup = (length.as_micros() as i64 / 4).min(1_000_000);
     let mut row = freshness(&label, spec.rate, sent, &samples, started + warmup, ended, started);
