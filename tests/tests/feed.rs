@@ -295,9 +295,9 @@ async fn a_stopping_replica_hands_back_the_messages_it_holds() {
     write(&h, &places, 1, 100).await;
     h.wait_settled().await;
     let stream = h.js.get_stream(h.subjects.changes_stream()).await.expect("stream");
-    eventually(Duration::from_secs(10), "the messages pulled by the first replica", || async {
+    eventually(Duration::from_secs(10), "every message delivered to the first replica", || async {
         let info = stream.clone().consumer_info("shared").await.expect("consumer");
-        info.num_ack_pending >= 20
+        info.num_ack_pending == 40
     })
     .await;
     let stopping = tokio::spawn(running.stop());

@@ -42,7 +42,7 @@ use std::time::Duration;
 use shelfsync_telemetry::{chain, names};
 
 use async_nats::jetstream::{self, AckKind, consumer};
-use futures::{FutureExt as _, StreamExt};
+use futures::StreamExt;
 use prost::Message;
 use shelfsync_bus::Subjects;
 use shelfsync_proto::{ChangeBatch, KeyframeMark};
@@ -56,6 +56,8 @@ pub use shelfsync_proto::PlaceKey;
 pub use state::{Check, FeedState};
 pub use update::{Update, UpdateKind, is_live, is_offered, is_visible, product_of, state_of};
 
+/// How long a stopping feed takes in what is still on its way to it.
+const HAND_BACK_WINDOW: Duration = Duration::from_millis(50);
 /// How often the consumer's lag is sampled.
 const LAG_EVERY: Duration = Duration::from_secs(5);
 
@@ -183,11 +185,21 @@ impl ChangeFeed {
             self.handle(msg, handler).await;
         }
         sampler.abort();
-        // What was pulled but not handled goes back at once: another
-        // replica, or this feed run again, gets it now, not after the ack
-        // wait.
+        // What was pulled but not handled goes back at once, and so does
+        // what was still on its way to this client: another replica, or
+        // this feed run again, gets it now, not after the ack wait. Naked
+        // only once the pull is gone (the server has seen its inbox
+        // unsubscribed), or the server would hand them straight back to
+        // this feed's pull request.
+        let mut held = Vec::new();
+        let until = tokio::time::Instant::now() + HAND_BACK_WINDOW;
+        while let Ok(Some(Ok(msg))) = tokio::time::timeout_at(until, messages.next()).await {
+            held.push(msg);
+        }
+        drop(messages);
+        let _ = self.client.flush().await;
         let mut returned = 0;
-        while let Some(Some(Ok(msg))) = messages.next().now_or_never() {
+        for msg in held {
             if msg.ack_with(AckKind::Nak(None)).await.is_ok() {
                 returned += 1;
             }
