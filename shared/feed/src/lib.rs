@@ -281,9 +281,7 @@ impl ChangeFeed {
             max_ack_pending: self.cfg.max_ack_pending,
             ..Default::default()
         };
-        let err =
-            |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.name()));
-        match start {
+        let fresh = match start {
             Some(seq) => {
                 config.deliver_policy = if seq == 0 {
                     consumer::DeliverPolicy::All
@@ -292,27 +290,28 @@ impl ChangeFeed {
                 };
                 // An instance that disappears leaves no consumer behind.
                 config.inactive_threshold = Duration::from_secs(3600);
-                // State is rebuilt from keyframes at every start: the old
-                // position means nothing now.
-                if self.cfg.slots > 0 {
-                    if let Some(held) = self.held.take() {
-                        let _ = stream.delete_consumer(&held).await;
-                    }
-                    return self.claim(&stream, config).await;
-                }
-                let _ = stream.delete_consumer(self.name()).await;
-                stream.create_consumer(config).await.map_err(|e| err(&e))
+                true
             }
             None => {
                 config.deliver_policy = consumer::DeliverPolicy::New;
                 if self.cfg.bootstrap == Bootstrap::Keyframe {
                     config.inactive_threshold = Duration::from_secs(3600);
                 }
-                if self.cfg.slots > 0 && self.held.is_none() {
-                    return self.claim(&stream, config).await;
-                }
-                stream.get_or_create_consumer(self.name(), config).await.map_err(|e| err(&e))
+                false
             }
+        };
+        if self.cfg.slots > 0 && self.held.is_none() {
+            return self.claim(&stream, config).await;
+        }
+        let err =
+            |e: &dyn std::fmt::Display| FeedError::Nats(format!("consumer {}: {e}", self.name()));
+        if fresh {
+            // State is rebuilt from keyframes at every start: the old
+            // position means nothing now.
+            let _ = stream.delete_consumer(self.name()).await;
+            stream.create_consumer(config).await.map_err(|e| err(&e))
+        } else {
+            stream.get_or_create_consumer(self.name(), config).await.map_err(|e| err(&e))
         }
     }
 
