@@ -290,8 +290,7 @@ async fn poll_loop(app: AppState, partner: PartnerSettings, drain: Drain) {
             continue;
         };
         let source = Source::parse(&source);
-        let file = source.file().map(std::path::Path::to_path_buf);
-        let file_sig = FileSignature::of(file.as_deref()).await;
+        let file_sig = FileSignature::of(source.file()).await;
         if file_sig.is_some() && file_sig == last_file {
             debug!(partner = %partner.name, "file unchanged, not imported");
             continue;
