@@ -171,8 +171,8 @@ async fn pull(
         .stream()
         .max_messages_per_batch(PULL_MESSAGES)
         .max_bytes_per_batch(PULL_BYTES)
-        .expires(Duration::from_secs(10))
-        .heartbeat(Duration::from_secs(2))
+        .expires(crate::PULL_EXPIRES)
+        .heartbeat(crate::PULL_HEARTBEAT)
         .messages()
         .await
 }

@@ -260,13 +260,13 @@ pub async fn close(client: &async_nats::Client) {
     }
 }
 
-/// Pull requests of [`pull_messages`]: they expire after this ...
-const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// Pull requests of [`pull_messages`] and of storage's intake: they expire after this ...
+pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(10);
 /// ... and the server sends an idle heartbeat this often; two missed ones
 /// make the client pull again. The client's defaults (30 s, 15 s) left a
 /// consumer idle for 20–30 s after the NATS server holding its request was
 /// lost; with these it resumes within a few seconds.
-const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
+pub(crate) const PULL_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// The messages of a pull consumer, pulled with short-lived requests and
 /// heartbeats, so that the loss of a NATS server stalls it only briefly.
